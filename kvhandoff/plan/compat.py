@@ -1,0 +1,158 @@
+"""Handshake-time compatibility: pair two layouts' components and tensors, or say why not.
+
+``pair_layouts`` is computed once per (prefill rank, decode rank) and cached; it is
+where every layout-level incompatibility is found, so a request never fails on
+something the handshake could have seen.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvhandoff.errors import LayoutMismatch
+from kvhandoff.layout import NO_LAYER, Component, Layout, RowKind, TensorSpec
+from kvhandoff.plan.shard import Side, pieces
+from kvhandoff.state_types import Policy, policy
+
+
+@dataclass(frozen=True, slots=True)
+class TensorPair:
+    src: TensorSpec
+    dst: TensorSpec
+    item_pieces: np.ndarray  # pieces for one whole item
+    row_pieces: np.ndarray  # pieces for one row (TOKEN / RING tensors)
+
+    @property
+    def same_rows(self) -> bool:
+        return self.src.rows == self.dst.rows
+
+
+@dataclass(frozen=True, slots=True)
+class ComponentPair:
+    name: str
+    policy: Policy
+    tensors: tuple[TensorPair, ...]  # only pairs that move bytes from this source
+
+
+@dataclass(frozen=True, slots=True)
+class LayoutPair:
+    src: Layout
+    dst: Layout
+    components: tuple[ComponentPair, ...]
+    names: frozenset[str]
+
+
+def check_compatible(src: Layout, dst: Layout) -> None:
+    """Raise :class:`LayoutMismatch` listing every reason ``src`` cannot feed ``dst``."""
+    pair_layouts(src, dst)
+
+
+@functools.lru_cache(maxsize=256)
+def pair_layouts(src: Layout, dst: Layout) -> LayoutPair:
+    problems: list[str] = []
+    src_by = {c.name: c for c in src.components}
+    dst_by = {c.name: c for c in dst.components}
+    for name in sorted(src_by.keys() - dst_by.keys()):
+        problems.append(f"component {name!r} ({src_by[name].type.value}) exists on prefill only")
+    for name in sorted(dst_by.keys() - src_by.keys()):
+        problems.append(f"component {name!r} ({dst_by[name].type.value}) exists on decode only")
+    pairs = []
+    for c in src.components:
+        d = dst_by.get(c.name)
+        if d is None:
+            continue
+        if c.type is not d.type:
+            problems.append(
+                f"component {c.name!r}: prefill type {c.type.value} vs decode type {d.type.value}"
+            )
+            continue
+        pairs.append(_pair_component(src, dst, c, d, problems))
+    if problems:
+        raise LayoutMismatch(problems)
+    return LayoutPair(src, dst, tuple(pairs), frozenset(src_by))
+
+
+def _pair_component(
+    src: Layout, dst: Layout, c: Component, d: Component, problems: list[str]
+) -> ComponentPair:
+    dst_t = {t.key: t for t in d.tensors}
+    src_keys = {t.key for t in c.tensors}
+    lo, hi = src.layers
+    for t in d.tensors:
+        mine = t.layer_id == NO_LAYER or lo <= t.layer_id < hi
+        if mine and t.key not in src_keys:
+            problems.append(
+                f"component {c.name!r}: decode tensor {t.name!r} layer {t.layer_id} lies in "
+                f"prefill's layers {lo}..{hi} but prefill registers no such tensor"
+            )
+    out = []
+    for s in c.tensors:
+        match = dst_t.get(s.key)
+        if match is None:
+            problems.append(
+                f"component {c.name!r}: prefill tensor {s.name!r} layer {s.layer_id} has no "
+                f"decode counterpart"
+            )
+            continue
+        t = match
+        why = _mismatch(src, dst, s, t)
+        if why:
+            problems.append(f"component {c.name!r} tensor {s.name!r} layer {s.layer_id}: {why}")
+            continue
+        if s.elided or not _pp_elected(src, dst, s):
+            continue
+        tp = TensorPair(s, t, _pieces(src, dst, s, t, rows=False), _pieces(src, dst, s, t, True))
+        if len(tp.item_pieces):
+            out.append(tp)
+    return ComponentPair(c.name, policy(c.type), tuple(out))
+
+
+def _pp_elected(src: Layout, dst: Layout, t: TensorSpec) -> bool:
+    """A tensor of no layer exists on every prefill PP stage; when decode has one stage,
+    only the last prefill stage (which sampled the first token) writes it."""
+    return t.layer_id != NO_LAYER or dst.pp_size > 1 or src.pp_rank == src.pp_size - 1
+
+
+def _mismatch(src: Layout, dst: Layout, s: TensorSpec, t: TensorSpec) -> str:
+    if s.elided != t.elided:
+        side = "prefill" if s.elided else "decode"
+        return f"elided (item_bytes 0) on {side} only"
+    if s.elided:
+        return ""
+    if s.dtype != t.dtype:
+        return f"dtype {s.dtype} on prefill vs {t.dtype} on decode"
+    if s.row_kind is not t.row_kind:
+        return f"row kind {s.row_kind.value} on prefill vs {t.row_kind.value} on decode"
+    if (s.shard is None) != (t.shard is None):
+        side = "prefill" if s.shard is None else "decode"
+        return f"replicated on {side} but TP-sharded on the other side"
+    if s.geometry() == t.geometry():
+        return ""
+    tp = f"TP {src.tp_size} → {dst.tp_size}"
+    if s.shard is None:
+        return (f"prefill row {s.row_bytes} B vs decode row {t.row_bytes} B ({tp}); "
+                f"prefill item {s.item_bytes} B, decode item {t.item_bytes} B")
+    a, b = s.shard, t.shard
+    assert b is not None
+    return (f"global shard shape differs: prefill outer {a.outer // s.rows} x groups {a.groups} "
+            f"x {a.inner_bytes} B vs decode outer {b.outer // t.rows} x groups {b.groups} x "
+            f"{b.inner_bytes} B per row (prefill item {s.item_bytes} B vs decode item "
+            f"{t.item_bytes} B with {tp})")
+
+
+def _pieces(src: Layout, dst: Layout, s: TensorSpec, t: TensorSpec, rows: bool) -> np.ndarray:
+    div_s = s.rows if rows else 1
+    div_t = t.rows if rows else 1
+    if not rows and s.rows != t.rows and s.row_kind is not RowKind.ITEM:
+        # whole items differ in size; only row units can pair. Pieces for a whole item
+        # are then never used, but still say whether this source sends anything.
+        div_s, div_t = s.rows, t.rows
+    return pieces(
+        Side(s.item_bytes // div_s, s.shard, s.shard.outer // div_s if s.shard else 1,
+             src.tp_rank, src.tp_size),
+        Side(t.item_bytes // div_t, t.shard, t.shard.outer // div_t if t.shard else 1,
+             dst.tp_rank, dst.tp_size),
+    )
