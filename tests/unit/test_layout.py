@@ -21,7 +21,9 @@ from kvhandoff.state_types import POLICIES, StateType
 KV_SPEC = ShardSpec.axis(outer=16, axis=8, inner_bytes=256)  # 16 tokens x 8 heads x 128 bf16
 
 
-def kv_tensor(name: str = "k", layer: int = 0, item: int = 16 * 4 * 256, **kw: object) -> TensorSpec:
+def kv_tensor(
+    name: str = "k", layer: int = 0, item: int = 16 * 4 * 256, **kw: object
+) -> TensorSpec:
     args: dict[str, object] = dict(name=name, layer_id=layer, ptr=4096, nbytes=item * 10,
                                    item_bytes=item, rows=16, row_kind=RowKind.TOKEN, shard=KV_SPEC)
     args.update(kw)
@@ -111,7 +113,7 @@ def test_tensor_outside_its_region_is_refused() -> None:
 
 
 def test_tensor_outside_its_pp_stage_is_refused() -> None:
-    with pytest.raises(LayoutError, match="layer 5 is outside this rank's layers 0..4"):
+    with pytest.raises(LayoutError, match=r"layer 5 is outside this rank's layers 0\.\.4"):
         kv_layout(kv_tensor(layer=5), layers=(0, 4))
 
 
