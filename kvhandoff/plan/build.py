@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import numpy as np
-
 from kvhandoff.errors import OutOfBounds, PlanError
-from kvhandoff.layout import Layout, RowKind
+from kvhandoff.layout import Layout, RowKind, TensorSpec
 from kvhandoff.plan.compat import ComponentPair, TensorPair, pair_layouts
 from kvhandoff.plan.model import Plan, TensorPlan
 from kvhandoff.plan.pairing import check_unique, pair_items, ring_units, token_units
@@ -40,7 +38,7 @@ def plan(src: Layout, dst: Layout, request: Request) -> Plan:
 
 
 def _component(comp: ComponentPair, idx: Indices, notes: list[str]) -> list[TensorPlan]:
-    units: dict[tuple[str, int, int], tuple[IndexArray, IndexArray]] = {}
+    units: dict[tuple[str, int, int], Units] = {}
     items: list[tuple[IndexArray, IndexArray]] = []  # computed at most once, on first need
 
     def paired() -> tuple[IndexArray, IndexArray]:
@@ -50,7 +48,7 @@ def _component(comp: ComponentPair, idx: Indices, notes: list[str]) -> list[Tens
             items.append((s, d))
         return items[0]
 
-    def units_for(tp: TensorPair) -> tuple[tuple[IndexArray, IndexArray], bool]:
+    def units_for(tp: TensorPair) -> tuple[Units, bool]:
         s, t = tp.src, tp.dst
         row_path = s.row_kind is RowKind.TOKEN and (
             not tp.same_rows or idx.src_first_row or idx.dst_first_row
@@ -65,34 +63,43 @@ def _component(comp: ComponentPair, idx: Indices, notes: list[str]) -> list[Tens
                 su, du = ring_units(comp.name, *paired(), idx.positions, s.rows, t.rows)
             else:
                 su, du = paired()
-            units[key] = (su, du)
+            units[key] = Units(su, du)
         return units[key], bool(row_path or ring_path)
 
     out = []
     for tp in comp.tensors:
-        (su, du), by_row = units_for(tp)
-        if not len(su):
+        u, by_row = units_for(tp)
+        if not len(u.src):
             continue
         pcs = tp.row_pieces if by_row else tp.item_pieces
         s_unit = tp.src.row_bytes if by_row else tp.src.item_bytes
         d_unit = tp.dst.row_bytes if by_row else tp.dst.item_bytes
-        _bounds(comp.name, tp, "prefill", su, s_unit, pcs[:, 0], pcs[:, 4], pcs)
-        _bounds(comp.name, tp, "decode", du, d_unit, pcs[:, 1], pcs[:, 5], pcs)
+        s_ext, d_ext = tp.row_extent if by_row else tp.item_extent
+        _bounds(comp.name, tp.src, "prefill", u.src_range, s_unit, s_ext)
+        _bounds(comp.name, tp.dst, "decode", u.dst_range, d_unit, d_ext)
         out.append(TensorPlan(
             component=comp.name, tensor=tp.src.name, layer_id=tp.src.layer_id,
             src_ptr=tp.src.ptr, dst_ptr=tp.dst.ptr, src_unit=s_unit, dst_unit=d_unit,
-            src_idx=su, dst_idx=du, pieces=pcs,
+            src_idx=u.src, dst_idx=u.dst, pieces=pcs,
         ))
     return out
 
 
+class Units:
+    """Paired unit indices of one component, with their ranges computed once."""
+
+    __slots__ = ("dst", "dst_range", "src", "src_range")
+
+    def __init__(self, src: IndexArray, dst: IndexArray) -> None:
+        self.src, self.dst = src, dst
+        self.src_range = (int(src.min()), int(src.max())) if len(src) else (0, 0)
+        self.dst_range = (int(dst.min()), int(dst.max())) if len(dst) else (0, 0)
+
+
 def _bounds(
-    name: str, tp: TensorPair, side: str, units: IndexArray, unit: int,
-    off: np.ndarray, stride: np.ndarray, pcs: np.ndarray,
+    name: str, t: TensorSpec, side: str, rng: tuple[int, int], unit: int, extent: int
 ) -> None:
-    t = tp.src if side == "prefill" else tp.dst
-    lo, hi = int(units.min()), int(units.max())
-    extent = int((off + (pcs[:, 3] - 1) * stride + pcs[:, 2]).max())
+    lo, hi = rng
     if lo < 0 or hi * unit + extent > t.nbytes:
         bad = lo if lo < 0 else hi
         raise OutOfBounds(

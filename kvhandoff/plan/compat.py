@@ -24,6 +24,9 @@ class TensorPair:
     dst: TensorSpec
     item_pieces: np.ndarray  # pieces for one whole item
     row_pieces: np.ndarray  # pieces for one row (TOKEN / RING tensors)
+    # bytes past a unit's start that the pieces reach, per side: (src, dst)
+    item_extent: tuple[int, int]
+    row_extent: tuple[int, int]
 
     @property
     def same_rows(self) -> bool:
@@ -104,9 +107,9 @@ def _pair_component(
             continue
         if s.elided or not _pp_elected(src, dst, s):
             continue
-        tp = TensorPair(s, t, _pieces(src, dst, s, t, rows=False), _pieces(src, dst, s, t, True))
-        if len(tp.item_pieces):
-            out.append(tp)
+        item, row = _pieces(src, dst, s, t, rows=False), _pieces(src, dst, s, t, rows=True)
+        if len(item):
+            out.append(TensorPair(s, t, item, row, _extent(item), _extent(row)))
     return ComponentPair(c.name, policy(c.type), tuple(out))
 
 
@@ -141,6 +144,14 @@ def _mismatch(src: Layout, dst: Layout, s: TensorSpec, t: TensorSpec) -> str:
             f"x {a.inner_bytes} B vs decode outer {b.outer // t.rows} x groups {b.groups} x "
             f"{b.inner_bytes} B per row (prefill item {s.item_bytes} B vs decode item "
             f"{t.item_bytes} B with {tp})")
+
+
+def _extent(pcs: np.ndarray) -> tuple[int, int]:
+    if not len(pcs):
+        return (0, 0)
+    reps = pcs[:, 3] - 1
+    return (int((pcs[:, 0] + reps * pcs[:, 4] + pcs[:, 2]).max()),
+            int((pcs[:, 1] + reps * pcs[:, 5] + pcs[:, 2]).max()))
 
 
 def _pieces(src: Layout, dst: Layout, s: TensorSpec, t: TensorSpec, rows: bool) -> np.ndarray:

@@ -71,14 +71,23 @@ class TensorPlan:
         length = np.broadcast_to(ln[rep], (len(self.src_idx), len(rep))).ravel()
         return Segments(src, dst, np.ascontiguousarray(length))
 
-    def runs(self) -> Segments:
-        """Coalesced segments of a ``whole_units`` pair, computed on the index arrays."""
+    def runs(self, cache: dict[tuple[int, int], tuple[I64, I64]] | None = None) -> Segments:
+        """Coalesced segments of a ``whole_units`` pair, computed on the index arrays.
+
+        ``cache`` shares run detection between pairs that use the same index arrays
+        (every layer of a component does)."""
         s, d = self.src_idx, self.dst_idx
         if not len(s):
             return Segments.empty()
-        brk = np.flatnonzero((np.diff(s) != 1) | (np.diff(d) != 1)) + 1
-        starts = np.concatenate(([0], brk))
-        counts = np.diff(np.concatenate((starts, [len(s)])))
+        key = (id(s), id(d))
+        found = cache.get(key) if cache is not None else None
+        if found is None:
+            brk = np.flatnonzero((np.diff(s) != 1) | (np.diff(d) != 1)) + 1
+            starts = np.concatenate(([0], brk))
+            found = (starts, np.diff(np.concatenate((starts, [len(s)]))))
+            if cache is not None:
+                cache[key] = found
+        starts, counts = found
         return Segments(
             self.src_ptr + s[starts] * self.src_unit,
             self.dst_ptr + d[starts] * self.dst_unit,
@@ -170,5 +179,7 @@ class Plan:
 
     def coalesce(self) -> Segments:
         """The fewest segments that move the same bytes, in plan order."""
-        parts = [e.runs() if e.whole_units else e.segments().coalesce() for e in self.entries]
+        cache: dict[tuple[int, int], tuple[I64, I64]] = {}
+        parts = [e.runs(cache) if e.whole_units else e.segments().coalesce()
+                 for e in self.entries]
         return Segments.concat(parts).coalesce()
