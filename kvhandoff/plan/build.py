@@ -66,10 +66,13 @@ def _component(comp: ComponentPair, idx: Indices, notes: list[str]) -> list[Tens
             units[key] = Units(su, du)
         return units[key], bool(row_path or ring_path)
 
+    by_items = idx.num_rows is None and not idx.src_first_row and not idx.dst_first_row
+    if not comp.tensors and by_items:
+        paired()  # nothing to move here, but the lists still obey the policy
     out = []
     for tp in comp.tensors:
-        u, by_row = units_for(tp)
-        if not len(u.src):
+        u, by_row = units_for(tp)  # validates on every rank, writer or not
+        if not len(u.src) or not len(tp.item_pieces):
             continue
         pcs = tp.row_pieces if by_row else tp.item_pieces
         s_unit = tp.src.row_bytes if by_row else tp.src.item_bytes

@@ -14,7 +14,7 @@ import numpy as np
 
 from kvhandoff.errors import LayoutMismatch
 from kvhandoff.layout import NO_LAYER, Component, Layout, RowKind, TensorSpec
-from kvhandoff.plan.shard import Side, pieces
+from kvhandoff.plan.shard import NO_PIECES, Side, pieces
 from kvhandoff.state_types import Policy, policy
 
 
@@ -37,7 +37,9 @@ class TensorPair:
 class ComponentPair:
     name: str
     policy: Policy
-    tensors: tuple[TensorPair, ...]  # only pairs that move bytes from this source
+    # every non-elided pair, including those this source does not write (another rank
+    # was elected): a request is validated the same way on every rank
+    tensors: tuple[TensorPair, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,11 +107,13 @@ def _pair_component(
         if why:
             problems.append(f"component {c.name!r} tensor {s.name!r} layer {s.layer_id}: {why}")
             continue
-        if s.elided or not _pp_elected(src, dst, s):
+        if s.elided:
             continue
-        item, row = _pieces(src, dst, s, t, rows=False), _pieces(src, dst, s, t, rows=True)
-        if len(item):
-            out.append(TensorPair(s, t, item, row, _extent(item), _extent(row)))
+        if _pp_elected(src, dst, s):
+            item, row = _pieces(src, dst, s, t, rows=False), _pieces(src, dst, s, t, rows=True)
+        else:
+            item = row = NO_PIECES
+        out.append(TensorPair(s, t, item, row, _extent(item), _extent(row)))
     return ComponentPair(c.name, policy(c.type), tuple(out))
 
 

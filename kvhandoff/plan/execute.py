@@ -46,6 +46,21 @@ class HostMemory:
         return self._bufs[i][ptr - self._starts[i]:]
 
 
+    def read(self, addrs: np.ndarray) -> np.ndarray:
+        """The bytes at absolute addresses ``addrs`` (vectorised, for checks)."""
+        addrs = np.asarray(addrs, dtype=np.int64)
+        starts = np.asarray(self._starts, dtype=np.int64)
+        which = np.searchsorted(starts, addrs, side="right") - 1
+        out = np.empty(len(addrs), dtype=np.uint8)
+        for i in np.unique(which).tolist():
+            mask = which == i
+            off = addrs[mask] - self._starts[i]
+            if i < 0 or (len(off) and int(off.max()) >= len(self._bufs[i])):
+                raise OutOfBounds("an address lies in no registered buffer")
+            out[mask] = self._bufs[i][off]
+        return out
+
+
 def execute(plan: Plan, src: HostMemory, dst: HostMemory) -> int:
     """Copy every planned byte from ``src`` to ``dst``; returns the bytes moved."""
     moved = 0

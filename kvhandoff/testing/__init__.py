@@ -1,0 +1,1 @@
+"""Test helpers shipped with kvhandoff: an independent oracle for the planner."""
