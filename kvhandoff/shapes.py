@@ -1,0 +1,635 @@
+"""Named real model architectures, the per-rank Layouts they register, and test requests.
+
+Pure: numpy only, no I/O, no memory unless the caller's allocator makes some.
+
+* :class:`ModelShape` describes a model's per-request state (which layer keeps what,
+  with the published head counts and dims). Named shapes: :data:`SHAPES`
+  (``qwen3_next``, ``nemotron_h``, ``gpt_oss``, ``deepseek_v32``, ``deepseek_v4``,
+  ``llama``, ``kimi_linear``); :func:`tiny` shrinks one to a few layers and small
+  dims with the same structure (same layer kinds, same sharding groups).
+* :func:`layout_for` builds the :class:`~kvhandoff.layout.Layout` one TP/PP rank
+  registers, following the pool layouts of sglang (``sglang_facts.md`` §2):
+  MHA K and V pages per layer (NHD, head-sharded, GQA-replicated when TP exceeds
+  the KV heads), MLA pages (replicated), NSA indexer pages (opaque), Mamba2 / GDN /
+  KDA conv and SSM slots (sharded per sub-block), SWA pages, the DeepSeek-V4 set and
+  one aux row per request. Addresses come from ``alloc(nbytes) -> ptr``; the
+  default :class:`FakeAllocator` hands out aligned addresses and allocates nothing,
+  so benchmarks can plan layouts of real size.
+* :func:`request_for` builds the request (component name -> :class:`Indices`) of a
+  sequence of N tokens for a pair of layouts, with contiguous or random page ids,
+  SWA window pages, the Mamba slot, ring rows and positions, and the aux row. It
+  uses simple local formulas (sglang_facts.md §3.2), not :mod:`kvhandoff.indices`.
+
+Component names are stable: ``kv`` (full-attention / MLA / DSv4 compressed KV),
+``swa``, ``nsa``, ``mamba``, ``swa_ring``, ``c128_state``, ``swa_valid_from``, ``aux``.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from kvhandoff.errors import LayoutError
+from kvhandoff.layout import (
+    NO_LAYER,
+    Component,
+    Layout,
+    RowKind,
+    ShardSpec,
+    TensorSpec,
+)
+from kvhandoff.plan.request import Indices
+from kvhandoff.state_types import StateType
+
+Alloc = Callable[[int], int]
+"""``alloc(nbytes) -> ptr``: where a tensor of ``nbytes`` lives."""
+
+
+class LayerKind(enum.StrEnum):
+    """What per-request state one model layer keeps."""
+
+    ATTN = "attn"  # full attention, MHA/GQA K and V pages
+    SWA = "swa"  # sliding-window attention, MHA/GQA K and V pages of the window
+    MLA = "mla"  # MLA latent pages (+ an NSA indexer page when the shape has one)
+    GDN = "gdn"  # gated delta net: conv [q|k|v] + SSM slot (Qwen3-Next)
+    MAMBA2 = "mamba2"  # Mamba2: conv [x|B|C] + SSM slot (Nemotron-H)
+    KDA = "kda"  # Kimi delta attention: transposed conv + SSM slot
+    MLP = "mlp"  # no per-request state
+    DSV4_W = "dsv4_w"  # DeepSeek-V4 window-only layer (compress ratio 0)
+    DSV4_C4 = "dsv4_c4"  # DeepSeek-V4 ratio-4 layer (+ indexer)
+    DSV4_C128 = "dsv4_c128"  # DeepSeek-V4 ratio-128 layer
+
+
+_LINEAR = (LayerKind.GDN, LayerKind.MAMBA2, LayerKind.KDA)
+_DSV4 = (LayerKind.DSV4_W, LayerKind.DSV4_C4, LayerKind.DSV4_C128)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelShape:
+    """A model's per-request state geometry. Sizes in elements unless named ``_bytes``."""
+
+    name: str
+    layers: tuple[LayerKind, ...]
+    # MHA / GQA attention (full and sliding-window layers)
+    kv_heads: int = 0
+    head_dim: int = 0
+    kv_dtype_bytes: int = 2
+    sliding_window: int = 0  # tokens (SWA layers, DSv4 window)
+    # MLA latent row (kv_lora_rank + qk_rope_head_dim, in bytes) and the DSA/NSA indexer
+    mla_row_bytes: int = 0
+    index_row_bytes: int = 0  # per token: fp8 keys (index_head_dim) + fp32 scale per 128 dims
+    index_elided_layers: tuple[int, ...] = ()  # skip-top-k layers: placeholder, item 0
+    # GDN / KDA linear attention
+    linear_k_heads: int = 0
+    linear_k_dim: int = 0
+    linear_v_heads: int = 0
+    linear_v_dim: int = 0
+    # Mamba2
+    mamba_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_groups: int = 0
+    mamba_state: int = 0
+    conv_kernel: int = 4
+    conv_dtype_bytes: int = 2
+    ssm_dtype_bytes: int = 4
+    # DeepSeek-V4
+    dsv4_kv_row_bytes: int = 0  # compressed / SWA KV row: 448 fp8 nope + 64 bf16 rope
+    dsv4_head_dim: int = 0  # compressor state width (head_dim)
+    dsv4_index_head_dim: int = 0
+    dsv4_draft_layers: int = 0  # NextN layers; their SWA ring is the swa_ring component
+    aux_row_bytes: int = 256
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise LayoutError(f"shape {self.name!r} has no layers")
+        if LayerKind.ATTN in self.layers and LayerKind.MLA in self.layers:
+            raise LayoutError(f"shape {self.name!r}: MHA and MLA layers would share component 'kv'")
+        for i in self.index_elided_layers:
+            if not 0 <= i < len(self.layers) or self.layers[i] is not LayerKind.MLA:
+                raise LayoutError(f"shape {self.name!r}: elided indexer layer {i} is no MLA layer")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def layer_ids(self, *kinds: LayerKind) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.layers) if k in kinds)
+
+    def has(self, *kinds: LayerKind) -> bool:
+        return any(k in kinds for k in self.layers)
+
+    # derived sizes -------------------------------------------------------------------
+    @property
+    def conv_groups(self) -> tuple[int, ...]:
+        """Global channel lengths of the conv state's independently sharded sub-blocks."""
+        if self.has(LayerKind.GDN, LayerKind.KDA):
+            kd = self.linear_k_heads * self.linear_k_dim
+            vd = self.linear_v_heads * self.linear_v_dim
+            # GDN: cat[q|k|v] (key_dim, key_dim, value_dim); KDA: (proj, proj_k, proj_k)
+            return (kd, kd, vd) if self.has(LayerKind.GDN) else (vd, kd, kd)
+        inter = self.mamba_heads * self.mamba_head_dim
+        gn = self.mamba_groups * self.mamba_state
+        return (inter, gn, gn)  # Mamba2: cat[x|B|C]
+
+    @property
+    def ssm_heads(self) -> int:
+        return self.mamba_heads if self.has(LayerKind.MAMBA2) else self.linear_v_heads
+
+    @property
+    def ssm_head_bytes(self) -> int:
+        if self.has(LayerKind.MAMBA2):
+            return self.mamba_head_dim * self.mamba_state * self.ssm_dtype_bytes
+        return self.linear_v_dim * self.linear_k_dim * self.ssm_dtype_bytes
+
+    @property
+    def dsv4_c4_state_row_bytes(self) -> int:
+        """One C4 compressor ring row: kv and score, 2 × head_dim each (overlap 2), fp32."""
+        return 2 * 2 * self.dsv4_head_dim * 4
+
+    @property
+    def dsv4_c4_index_state_row_bytes(self) -> int:
+        return 2 * 2 * self.dsv4_index_head_dim * 4
+
+    @property
+    def dsv4_c128_state_bytes(self) -> int:
+        """The online C128 request row: max, sum and kv of head_dim each, fp32."""
+        return 3 * self.dsv4_head_dim * 4
+
+    @property
+    def total_layers(self) -> int:
+        """Model layers plus DSv4 NextN draft layers (ids ``num_layers ..``)."""
+        return self.num_layers + self.dsv4_draft_layers
+
+
+def _pattern(s: str) -> tuple[LayerKind, ...]:
+    table = {"M": LayerKind.MAMBA2, "-": LayerKind.MLP, "*": LayerKind.ATTN}
+    return tuple(table[c] for c in s)
+
+
+QWEN3_NEXT = ModelShape(
+    # Qwen3-Next-80B-A3B: 48 layers, layer i is full attention when (i+1) % 4 == 0.
+    name="qwen3_next",
+    layers=tuple(LayerKind.ATTN if (i + 1) % 4 == 0 else LayerKind.GDN for i in range(48)),
+    kv_heads=2, head_dim=256,
+    linear_k_heads=16, linear_k_dim=128, linear_v_heads=32, linear_v_dim=128, conv_kernel=4,
+)
+NEMOTRON_H = ModelShape(
+    # Nemotron-H-8B: hybrid_override_pattern (M = Mamba2, - = MLP, * = attention).
+    name="nemotron_h",
+    layers=_pattern("M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"),
+    kv_heads=8, head_dim=128,
+    mamba_heads=128, mamba_head_dim=64, mamba_groups=8, mamba_state=128, conv_kernel=4,
+)
+GPT_OSS = ModelShape(
+    # GPT-OSS-120B: 36 layers alternating sliding (window 128) and full attention.
+    name="gpt_oss",
+    layers=tuple(LayerKind.SWA if i % 2 == 0 else LayerKind.ATTN for i in range(36)),
+    kv_heads=8, head_dim=64, sliding_window=128,
+)
+DEEPSEEK_V32 = ModelShape(
+    # DeepSeek-V3.2: 61 MLA layers (kv_lora 512 + rope 64, bf16) + DSA indexer pages.
+    name="deepseek_v32",
+    layers=(LayerKind.MLA,) * 61,
+    mla_row_bytes=(512 + 64) * 2, index_row_bytes=128 + 4,
+)
+DEEPSEEK_V4 = ModelShape(
+    # DeepSeek-V4-Flash: 43 layers, compress ratios [0, 0, 4] + [128, 4] * 20, window 128,
+    # head_dim 512 (448 nope + 64 rope), index_head_dim 128, one NextN draft layer.
+    name="deepseek_v4",
+    layers=(LayerKind.DSV4_W, LayerKind.DSV4_W, LayerKind.DSV4_C4)
+    + (LayerKind.DSV4_C128, LayerKind.DSV4_C4) * 20,
+    sliding_window=128, dsv4_kv_row_bytes=448 + 64 * 2, dsv4_head_dim=512,
+    dsv4_index_head_dim=128, index_row_bytes=128 + 4, dsv4_draft_layers=1,
+)
+LLAMA = ModelShape(
+    # Llama-3.1-70B: 80 layers, GQA 8 KV heads x 128, bf16.
+    name="llama", layers=(LayerKind.ATTN,) * 80, kv_heads=8, head_dim=128,
+)
+KIMI_LINEAR = ModelShape(
+    # Kimi-Linear-48B-A3B: 27 layers, KDA (32 heads x 128) with MLA at layers 3, 7, ... 23, 26.
+    name="kimi_linear",
+    layers=tuple(
+        LayerKind.MLA if i in (3, 7, 11, 15, 19, 23, 26) else LayerKind.KDA for i in range(27)
+    ),
+    mla_row_bytes=(512 + 64) * 2,
+    linear_k_heads=32, linear_k_dim=128, linear_v_heads=32, linear_v_dim=128, conv_kernel=4,
+)
+
+SHAPES: dict[str, ModelShape] = {
+    s.name: s
+    for s in (QWEN3_NEXT, NEMOTRON_H, GPT_OSS, DEEPSEEK_V32, DEEPSEEK_V4, LLAMA, KIMI_LINEAR)
+}
+
+
+def get(name: str) -> ModelShape:
+    """The named shape; raises KeyError listing the known names."""
+    try:
+        return SHAPES[name]
+    except KeyError:
+        raise KeyError(f"unknown model shape {name!r}; known: {sorted(SHAPES)}") from None
+
+
+def tiny(shape: ModelShape, *, num_layers: int | None = None) -> ModelShape:
+    """A small version of ``shape`` with the same structure.
+
+    Keeps the shortest prefix of the layer pattern that has every layer kind (at
+    least 4 layers, an even count so PP 2 splits it), head counts up to 8 (so GQA
+    replication at TP 4/8 stays what it is: 2 KV heads stay 2), and shrinks head
+    and state dims to a few elements. ``num_layers`` overrides the layer count.
+    """
+    kinds = set(shape.layers)
+    n = 0
+    while set(shape.layers[:n]) != kinds:
+        n += 1
+    n = max(n, 4)
+    n += n % 2
+    if num_layers is not None:
+        n = num_layers
+    layers = tuple(shape.layers[i % shape.num_layers] for i in range(n))
+
+    def heads(h: int) -> int:
+        return min(h, 8)
+
+    def dim(d: int, small: int) -> int:
+        return min(d, small) if d else 0
+
+    return replace(
+        shape,
+        name=f"tiny_{shape.name}",
+        layers=layers,
+        kv_heads=heads(shape.kv_heads),
+        head_dim=dim(shape.head_dim, 8),
+        sliding_window=dim(shape.sliding_window, 16),
+        mla_row_bytes=dim(shape.mla_row_bytes, 40),
+        index_row_bytes=dim(shape.index_row_bytes, 12),
+        index_elided_layers=tuple(i for i in shape.index_elided_layers if i < n),
+        linear_k_heads=heads(shape.linear_k_heads),
+        linear_k_dim=dim(shape.linear_k_dim, 4),
+        linear_v_heads=min(shape.linear_v_heads, 16),
+        linear_v_dim=dim(shape.linear_v_dim, 4),
+        mamba_heads=heads(shape.mamba_heads),
+        mamba_head_dim=dim(shape.mamba_head_dim, 4),
+        mamba_groups=heads(shape.mamba_groups),
+        mamba_state=dim(shape.mamba_state, 4),
+        dsv4_kv_row_bytes=dim(shape.dsv4_kv_row_bytes, 24),
+        dsv4_head_dim=dim(shape.dsv4_head_dim, 4),
+        dsv4_index_head_dim=dim(shape.dsv4_index_head_dim, 2),
+        aux_row_bytes=64,
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Layouts
+
+
+class FakeAllocator:
+    """Deterministic bump allocator of aligned fake addresses; allocates nothing."""
+
+    def __init__(self, base: int = 1 << 44, align: int = 4096) -> None:
+        self.next = base
+        self.align = align
+
+    def __call__(self, nbytes: int) -> int:
+        ptr = self.next
+        self.next += -(-max(nbytes, 1) // self.align) * self.align
+        return ptr
+
+
+def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """The contiguous half-open layer range PP stage ``pp_rank`` of ``pp_size`` owns."""
+    if not 0 <= pp_rank < pp_size:
+        raise LayoutError(f"pp_rank {pp_rank} is outside PP size {pp_size}")
+    if pp_size > num_layers:
+        raise LayoutError(f"PP {pp_size} exceeds the model's {num_layers} layers")
+    return pp_rank * num_layers // pp_size, (pp_rank + 1) * num_layers // pp_size
+
+
+def dsv4_ring_size(spec_decode: bool) -> int:
+    """Rows of the page-scoped C4 compress-state ring (8, or 16 with speculative decoding)."""
+    return 16 if spec_decode else 8
+
+
+def layout_for(
+    shape: ModelShape,
+    *,
+    tp_rank: int,
+    tp_size: int,
+    page_size: int,
+    num_pages: int,
+    num_slots: int,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    alloc: Alloc | None = None,
+    num_swa_pages: int | None = None,
+    swa_page_size: int | None = None,
+    spec_decode: bool = False,
+) -> Layout:
+    """What TP rank ``tp_rank`` of PP stage ``pp_rank`` registers for ``shape``.
+
+    ``num_pages`` pages of ``page_size`` tokens in the full-attention / MLA / indexer
+    pools (``num_swa_pages``, default the same, in the SWA pool), ``num_slots``
+    request slots (Mamba slots, request rows, aux rows, DSv4 rings). DeepSeek-V4 needs
+    ``page_size`` to be a multiple of 128 (its logical page holds whole compressed
+    rows); its SWA pages hold ``swa_page_size`` tokens (default 64, or ``page_size``
+    when smaller) and ``spec_decode`` doubles its compress-state rings (8 -> 16).
+    """
+    if min(page_size, num_pages, num_slots) < 1:
+        raise LayoutError(
+            f"page_size, num_pages and num_slots must be >= 1, got {page_size}, {num_pages}, "
+            f"{num_slots}"
+        )
+    mem = alloc if alloc is not None else FakeAllocator(
+        base=(1 << 44) + ((pp_rank * tp_size + tp_rank) << 38)
+    )
+    lo, hi = stage_layers(shape.num_layers, pp_rank, pp_size)
+    last = pp_rank == pp_size - 1
+    mine = range(lo, hi)
+    b = _Builder(shape, mem, tp_rank, tp_size)
+    comps: list[Component] = []
+    swa_pages = num_swa_pages if num_swa_pages is not None else num_pages
+    if shape.has(*_DSV4):
+        if page_size % 128:
+            raise LayoutError(
+                f"{shape.name}: page_size {page_size} must be a multiple of 128 (a DeepSeek-V4 "
+                f"logical page holds whole C4 and C128 compressed rows)"
+            )
+        sp = swa_page_size if swa_page_size is not None else min(64, page_size)
+        comps += b.dsv4(mine, last, page_size, num_pages, sp, swa_pages, num_slots, spec_decode)
+    if shape.has(LayerKind.ATTN):
+        comps.append(Component(type=StateType.KV, name="kv", tensors=tuple(
+            b.mha(shape.layer_ids(LayerKind.ATTN), mine, page_size, num_pages))))
+    if shape.has(LayerKind.MLA):
+        comps.append(Component(type=StateType.MLA, name="kv", tensors=tuple(
+            b.mla(shape.layer_ids(LayerKind.MLA), mine, page_size, num_pages))))
+        if shape.index_row_bytes:
+            comps.append(Component(type=StateType.NSA, name="nsa", tensors=tuple(
+                b.nsa(mine, page_size, num_pages))))
+    if shape.has(LayerKind.SWA):
+        comps.append(Component(type=StateType.SWA, name="swa", tensors=tuple(
+            b.mha(shape.layer_ids(LayerKind.SWA), mine, page_size, swa_pages))))
+    if shape.has(*_LINEAR):
+        comps.append(Component(type=StateType.MAMBA, name="mamba", tensors=tuple(
+            b.mamba(mine, num_slots))))
+    comps.append(Component(type=StateType.AUX, name="aux", tensors=(
+        b.tensor("aux", NO_LAYER, shape.aux_row_bytes, num_slots),)))
+    return Layout(
+        page_size=page_size, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
+        layers=(lo, hi + (shape.dsv4_draft_layers if last else 0)), components=tuple(comps),
+    )
+
+
+def _dtype(nbytes: int) -> str:
+    return {1: "fp8", 2: "bf16", 4: "fp32"}.get(nbytes, f"{nbytes}B")
+
+
+class _Builder:
+    def __init__(self, shape: ModelShape, alloc: Alloc, tp_rank: int, tp_size: int) -> None:
+        self.s = shape
+        self.alloc = alloc
+        self.tp = (tp_rank, tp_size)
+
+    def tensor(
+        self, name: str, layer: int, item: int, capacity: int, *, rows: int = 1,
+        kind: RowKind = RowKind.ITEM, shard: ShardSpec | None = None, dtype: str = "uint8",
+    ) -> TensorSpec:
+        if shard is not None:
+            item = shard.local_item_bytes(*self.tp)
+        nbytes = item * capacity
+        return TensorSpec(
+            name=name, layer_id=layer, ptr=self.alloc(nbytes) if nbytes else 0, nbytes=nbytes,
+            item_bytes=item, rows=rows, row_kind=kind, shard=shard, dtype=dtype,
+        )
+
+    def mha(self, layers: tuple[int, ...], mine: range, page: int, pages: int
+            ) -> list[TensorSpec]:
+        """K then V of every layer: NHD pages, head-sharded (GQA-replicated past the heads)."""
+        s = self.s
+        shard = ShardSpec.axis(outer=page, axis=s.kv_heads,
+                               inner_bytes=s.head_dim * s.kv_dtype_bytes)
+        return [self.tensor(n, layer, 0, pages, rows=page, kind=RowKind.TOKEN, shard=shard,
+                            dtype=_dtype(s.kv_dtype_bytes))
+                for n in ("k", "v") for layer in layers if layer in mine]
+
+    def mla(self, layers: tuple[int, ...], mine: range, page: int, pages: int
+            ) -> list[TensorSpec]:
+        return [self.tensor("kv", layer, page * self.s.mla_row_bytes, pages, rows=page,
+                            kind=RowKind.TOKEN, dtype="bf16")
+                for layer in layers if layer in mine]
+
+    def nsa(self, mine: range, page: int, pages: int) -> list[TensorSpec]:
+        """One opaque indexer page per MLA layer: fp8 keys, then fp32 scales."""
+        out = []
+        for layer in self.s.layer_ids(LayerKind.MLA):
+            if layer not in mine:
+                continue
+            if layer in self.s.index_elided_layers:
+                out.append(TensorSpec(name="index_k", layer_id=layer, ptr=0, nbytes=0,
+                                      item_bytes=0))
+            else:
+                out.append(self.tensor("index_k", layer, page * self.s.index_row_bytes, pages))
+        return out
+
+    def mamba(self, mine: range, slots: int) -> list[TensorSpec]:
+        """All conv slots, then all SSM slots (sglang's tensor-major order)."""
+        s = self.s
+        layers = [i for i in s.layer_ids(*_LINEAR) if i in mine]
+        groups = s.conv_groups
+        if s.has(LayerKind.KDA):  # transposed: (K-1, channels) per slot
+            conv = ShardSpec.axis(outer=s.conv_kernel - 1, axis=sum(groups), groups=groups,
+                                  inner_bytes=s.conv_dtype_bytes)
+        else:
+            conv = ShardSpec.axis(axis=sum(groups), groups=groups,
+                                  inner_bytes=(s.conv_kernel - 1) * s.conv_dtype_bytes)
+        if s.has(LayerKind.MAMBA2) and self.tp[1] > s.mamba_groups:
+            raise LayoutError(
+                f"{s.name}: TP {self.tp[1]} exceeds the {s.mamba_groups} Mamba2 groups; padded "
+                f"replicated groups are not modelled"
+            )
+        ssm = ShardSpec.axis(axis=s.ssm_heads, inner_bytes=s.ssm_head_bytes)
+        return ([self.tensor("conv", i, 0, slots, shard=conv, dtype=_dtype(s.conv_dtype_bytes))
+                 for i in layers]
+                + [self.tensor("ssm", i, 0, slots, shard=ssm, dtype=_dtype(s.ssm_dtype_bytes))
+                   for i in layers])
+
+    def dsv4(
+        self, mine: range, last: bool, page: int, pages: int, swa_page: int, swa_pages: int,
+        slots: int, spec: bool,
+    ) -> list[Component]:
+        s = self.s
+        row = s.dsv4_kv_row_bytes
+        c4 = [i for i in s.layer_ids(LayerKind.DSV4_C4) if i in mine]
+        c128 = [i for i in s.layer_ids(LayerKind.DSV4_C128) if i in mine]
+        every = [i for i in range(s.num_layers) if i in mine]
+        # compressed KV, per ratio: C4 KV, C4 indexer, C128 KV (one logical page each)
+        kv = ([self.tensor("kv", i, page // 4 * row, pages, rows=page // 4, kind=RowKind.TOKEN,
+                           dtype="fp8_ds_mla") for i in c4]
+              + [self.tensor("index_k", i, page // 4 * s.index_row_bytes, pages, rows=page // 4,
+                             kind=RowKind.TOKEN, dtype="fp8_index") for i in c4]
+              + [self.tensor("kv", i, page // 128 * row, pages, rows=page // 128,
+                             kind=RowKind.TOKEN, dtype="fp8_ds_mla") for i in c128])
+        # SWA KV pages of every layer + page-scoped C4 compress and indexer-compress rings
+        ring = dsv4_ring_size(spec)
+        swa = ([self.tensor("swa_kv", i, swa_page * row, swa_pages, rows=swa_page,
+                            kind=RowKind.TOKEN, dtype="fp8_ds_mla") for i in every]
+               + [self.tensor("c4_state", i, ring * s.dsv4_c4_state_row_bytes, swa_pages,
+                              rows=ring, kind=RowKind.RING, dtype="fp32") for i in c4]
+               + [self.tensor("c4_index_state", i, ring * s.dsv4_c4_index_state_row_bytes,
+                              swa_pages, rows=ring, kind=RowKind.RING, dtype="fp32")
+                  for i in c4])
+        # the NextN draft layers' unified SWA ring: one token row per item
+        draft = range(s.num_layers, s.total_layers) if last else range(0)
+        ring_t = [self.tensor("swa_ring", i, row, slots * s.sliding_window, dtype="fp8_ds_mla")
+                  for i in draft]
+        c128_state = [self.tensor("c128_state", i, s.dsv4_c128_state_bytes, slots, dtype="fp32")
+                      for i in c128]
+        valid = [self.tensor("swa_valid_from", NO_LAYER, 8, slots, dtype="int64")]
+        out = [Component(type=StateType.MLA, name="kv", tensors=tuple(kv)),
+               Component(type=StateType.DSV4_SWA, name="swa", tensors=tuple(swa))]
+        if s.dsv4_draft_layers:
+            out.append(Component(type=StateType.DSV4_RING, name="swa_ring",
+                                 tensors=tuple(ring_t)))
+        out += [Component(type=StateType.DSV4_REQUEST, name="c128_state",
+                          tensors=tuple(c128_state)),
+                Component(type=StateType.REQUEST_ROW, name="swa_valid_from",
+                          tensors=tuple(valid))]
+        return out
+
+
+# ---------------------------------------------------------------------------------------
+# Requests
+
+_PAGE_TYPES = (StateType.KV, StateType.MLA, StateType.NSA)
+_SLOT_TYPES = (StateType.MAMBA, StateType.REQUEST_ROW, StateType.AUX)
+
+
+def request_for(
+    shape: ModelShape,
+    src: Layout,
+    dst: Layout,
+    num_tokens: int,
+    *,
+    prefix_len: int = 0,
+    seed: int = 0,
+    contiguous: bool = False,
+    src_slot: int | None = None,
+    dst_slot: int | None = None,
+) -> dict[str, Indices | None]:
+    """Indices of every component of ``src``/``dst`` for a sequence of ``num_tokens``.
+
+    Page ids are ``1..n`` (``contiguous``) or a seeded random choice from each
+    side's pool (page 0 is left as padding). The decode prefix ``prefix_len`` tokens
+    are already on decode (a multiple of decode's page size). Page sizes may differ
+    between the sides for MHA / MLA / SWA pages: the token rows then move by row.
+    The choice depends only on ``seed``, the side and the pool, so every PP stage
+    of one prefill gets the same page ids and slot.
+    """
+    if num_tokens < 0 or not 0 <= prefix_len <= num_tokens:
+        raise ValueError(f"need 0 <= prefix_len <= num_tokens, got {prefix_len}, {num_tokens}")
+    if prefix_len % dst.page_size:
+        raise ValueError(f"prefix_len {prefix_len} is not a multiple of decode's page size "
+                         f"{dst.page_size}")
+    n = num_tokens
+    sides = (_Side(src, 0, seed, contiguous, src_slot), _Side(dst, 1, seed, contiguous, dst_slot))
+    out: dict[str, Indices | None] = {}
+    dst_types = {c.name: c.type for c in dst.components}
+    for comp in src.components:
+        if dst_types.get(comp.name, comp.type) is not comp.type:
+            raise ValueError(f"component {comp.name!r} has different types on the two sides")
+        t = comp.type
+        if t in _PAGE_TYPES:
+            if (t is StateType.NSA or shape.has(*_DSV4)) and src.page_size != dst.page_size:
+                raise ValueError(f"component {comp.name!r} ({t.value}) needs equal page sizes "
+                                 f"on both sides, got {src.page_size} and {dst.page_size}")
+            out[comp.name] = _token_span(sides, "kv", prefix_len, n,
+                                         src.page_size, dst.page_size)
+        elif t is StateType.SWA:
+            out[comp.name] = _window(sides, shape.sliding_window, prefix_len, n,
+                                     src.page_size, dst.page_size)
+        elif t is StateType.DSV4_SWA:
+            ps, pd = (_swa_page(s.layout, comp.name) for s in sides)
+            if ps != pd:
+                raise ValueError(f"DeepSeek-V4 SWA pages differ ({ps} vs {pd} tokens)")
+            win = _window(sides, shape.sliding_window, prefix_len, n, ps, pd)
+            lo = max(0, n - (n % 4 + 4))  # the C4 compressor's live positions
+            out[comp.name] = Indices(win.src, win.dst, positions=np.arange(lo, n))
+        elif t is StateType.DSV4_RING:
+            ring = shape.sliding_window
+            pos = np.arange(max(0, n - ring), n)
+            out[comp.name] = Indices(sides[0].slot * ring + pos % ring,
+                                     sides[1].slot * ring + pos % ring)
+        elif t is StateType.DSV4_REQUEST:
+            pending = n % 128 != 0
+            out[comp.name] = Indices([sides[0].slot] if pending else [],
+                                     [sides[1].slot] if pending else [])
+        elif t in _SLOT_TYPES:
+            out[comp.name] = Indices([sides[0].slot], [sides[1].slot])
+        else:  # pragma: no cover - every StateType above is handled
+            raise ValueError(f"request_for does not know state type {t.value}")
+    return out
+
+
+class _Side:
+    def __init__(self, layout: Layout, side: int, seed: int, contiguous: bool,
+                 slot: int | None) -> None:
+        self.layout = layout
+        self.side = side
+        self.seed = seed
+        self.contiguous = contiguous
+        slots = _capacity(layout, _SLOT_TYPES) or 2
+        if slot is None:
+            rng = np.random.default_rng([seed, side, 0])
+            slot = int(rng.integers(1, slots)) if slots > 1 else 0
+        if not 0 <= slot < slots:
+            raise ValueError(f"slot {slot} is outside the {slots} request slots")
+        self.slot = slot
+
+    def pages(self, pool: str, count: int) -> np.ndarray:
+        """``count`` page ids of ``pool`` (same ids for the same seed, side and pool)."""
+        cap = _capacity(self.layout, _POOL_TYPES[pool]) or count + 1
+        if count + 1 > cap:
+            raise ValueError(f"{count} pages do not fit a {pool} pool of {cap} (page 0 is padding)")
+        if self.contiguous:
+            return np.arange(1, count + 1, dtype=np.int64)
+        rng = np.random.default_rng([self.seed, self.side, 1 + list(_POOL_TYPES).index(pool)])
+        return rng.permutation(cap - 1)[:count].astype(np.int64) + 1
+
+
+_POOL_TYPES: dict[str, tuple[StateType, ...]] = {
+    "kv": _PAGE_TYPES,
+    "swa": (StateType.SWA, StateType.DSV4_SWA),
+}
+
+
+def _capacity(layout: Layout, types: tuple[StateType, ...]) -> int:
+    caps = [t.capacity for c in layout.components if c.type in types
+            for t in c.tensors if t.capacity and t.row_kind is not RowKind.RING]
+    return min(caps) if caps else 0
+
+
+def _swa_page(layout: Layout, name: str) -> int:
+    rows = [t.rows for t in layout.component(name).tensors if t.row_kind is RowKind.TOKEN]
+    return rows[0] if rows else layout.page_size
+
+
+def _token_span(sides: tuple[_Side, _Side], pool: str, start: int, end: int, ps: int, pd: int
+                ) -> Indices:
+    """Pages holding tokens ``[start, end)`` on each side, by row when pages differ."""
+    first = [start // p * p for p in (ps, pd)]
+    lists = [s.pages(pool, math.ceil(end / p) - f // p if end > f else 0)
+             for s, f, p in zip(sides, first, (ps, pd), strict=True)]
+    if ps == pd and first[0] == first[1] == start:
+        return Indices(lists[0], lists[1])
+    return Indices(lists[0], lists[1], src_first_row=start - first[0],
+                   dst_first_row=start - first[1], num_rows=end - start)
+
+
+def _window(sides: tuple[_Side, _Side], window: int, prefix: int, end: int, ps: int, pd: int
+            ) -> Indices:
+    """Window pages from ``page_floor(max(prefix, end - window))`` on each side; with
+    unequal pages, the rows both windows hold."""
+    starts = [max(prefix, end - window) // p * p for p in (ps, pd)]
+    return _token_span(sides, "swa", max(starts), end, ps, pd)
