@@ -42,12 +42,25 @@ def pair_items(
 
 
 def check_unique(name: str, side: str, units: IndexArray) -> None:
-    """No destination unit may be written twice."""
-    if len(units) > 1 and len(np.unique(units)) != len(units):
+    """No destination unit may be written twice.
+
+    O(n) with a bincount over the index range when that range is small compared to
+    the list (page and slot ids are); a sort otherwise."""
+    if len(units) < 2:
+        return
+    lo, hi = int(units.min()), int(units.max())
+    if lo >= 0 and hi < 64 * len(units) + 4096:
+        counts = np.bincount(units, minlength=0)
+        if int(counts.max()) <= 1:
+            return
+        dup = np.flatnonzero(counts > 1)[:5].tolist()
+    else:
         vals, counts = np.unique(units, return_counts=True)
+        if len(vals) == len(units):
+            return
         dup = vals[counts > 1][:5].tolist()
-        raise PlanError(f"component {name!r}: {side} index list repeats {dup}; a byte would be "
-                        f"written twice")
+    raise PlanError(f"component {name!r}: {side} index list repeats {dup}; a byte would be "
+                    f"written twice")
 
 
 def token_units(
