@@ -1,0 +1,517 @@
+"""Mooncake Transfer Engine: TCP here, RDMA where the hardware exists; P2P handshake.
+
+Install: ``pip install 'kvhandoff[mooncake]'`` and ``make system-deps`` (Debian:
+``libibverbs1 ibverbs-providers libcuda1``, the last from non-free). ``libcudart.so.12``
+comes from the ``nvidia-cuda-runtime-cu12`` wheel; this module preloads it, so no
+``LD_LIBRARY_PATH`` is needed.
+
+How the engine is driven, and why (measured in ``reference/baselines.md``):
+
+* One ``TransferEngine`` per transport, ``initialize(host, "P2PHANDSHAKE", protocol,
+  device)``: no metadata service; a peer is addressed by its session ``host:rpc_port``.
+* The TCP transport holds at most ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` requests
+  (+ as many pending admissions) per peer; one more and the request is rejected *and
+  the engine stays broken for that peer*. The env is read when the engine is built, so
+  it is set (under a lock) around construction, and this module never has more than
+  ``max_inflight`` requests outstanding per peer, at most that queue size.
+* The sync calls and ``get_batch_transfer_status`` busy-poll a core. Instead every
+  coalesced segment is its own one-request async batch, and a progress thread checks
+  the oldest ones with ``transfer_check_status`` (non-blocking; it only looks at task 0,
+  which is why batches hold one request), sleeping 50 µs..2 ms between rounds and not
+  at all (blocked on a condition) when idle. The engine runs ~28 k requests/s over
+  TCP whatever their size, so coalescing is what makes it fast.
+* Engine results are negative ints; they are mapped to :mod:`kvhandoff.transport.errors`
+  in :func:`_error` and nowhere else.
+
+The endpoint carries the session and the registered region table; ``submit`` refuses a
+plan with any destination byte outside the peer's advertised regions before anything
+is sent. (The TCP server checks again on its side.) Regions the peer registers after
+handing out its endpoint are unknown here until ``connect`` is called again.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from kvhandoff.errors import OutOfBounds
+from kvhandoff.layout import MemoryKind, Region
+from kvhandoff.plan.model import Plan
+from kvhandoff.transport._engine import (
+    EngineEndpoint,
+    Progress,
+    add_regions,
+    describe_regions,
+    engine_segments,
+)
+from kvhandoff.transport.base import (
+    Availability,
+    Capabilities,
+    Handle,
+    Peer,
+    TransferState,
+    Transport,
+)
+from kvhandoff.transport.errors import (
+    ConnectError,
+    PeerLost,
+    RemoteOutOfBounds,
+    TransportClosed,
+    TransportError,
+    TransportUnavailable,
+)
+from kvhandoff.transport.regions import RegionTable, plan_side_problem
+
+__all__ = ["MooncakeTransport", "available"]
+
+INSTALL_HINT = ("pip install 'kvhandoff[mooncake]' (mooncake-transfer-engine, "
+                "nvidia-cuda-runtime-cu12) and run `make system-deps` "
+                "(scripts/system-deps.sh: Debian libibverbs1 ibverbs-providers libcuda1)")
+
+# Mooncake's error.h, for messages. Any other negative value is reported as is.
+_CODES: dict[int, str] = {
+    -1: "invalid argument", -2: "too many requests", -3: "address not registered",
+    -4: "batch busy", -6: "device not found", -7: "address overlapped",
+    -8: "not a local segment", -101: "DNS failure", -102: "socket error",
+    -103: "malformed JSON", -104: "handshake rejected", -200: "metadata error",
+    -201: "endpoint error", -202: "context error", -300: "NUMA error", -301: "clock error",
+    -302: "memory error", -303: "not implemented",
+}
+_TCP_QUEUE_MAX = 65535  # the engine rejects larger queue sizes
+_SCAN = 128  # in-flight requests checked per progress round
+
+_env_lock = threading.Lock()
+_avail: Availability | None = None
+_avail_lock = threading.Lock()
+
+
+def _describe(code: int) -> str:
+    return f"{code} ({_CODES.get(code, 'engine error')})"
+
+
+def _status_error(rc: int, session: str) -> TransportError:
+    """The one place a request's engine status becomes an error (``transfer_check_status``
+    -1 FAILED, -2 TIMEOUT). Destinations were bounds-checked against the peer's table
+    before sending, so a failure is its connection going away (the engine does not say
+    which; its log does)."""
+    what = "timed out" if rc == -2 else "failed"
+    return PeerLost(f"mooncake write to {session} {what} (status {rc}: connection lost or "
+                    f"the peer refused the write)")
+
+
+def _preload_cudart() -> str | None:
+    """Make ``libcudart.so.12`` resolvable for engine.so (RTLD_GLOBAL). Prefers a system
+    CUDA runtime; else the ``nvidia-cuda-runtime-cu12`` wheel's. Returns an error or None."""
+    try:
+        ctypes.CDLL("libcudart.so.12", mode=ctypes.RTLD_GLOBAL)
+        return None
+    except OSError:
+        pass
+    try:
+        spec = importlib.util.find_spec("nvidia.cuda_runtime")
+    except (ImportError, ValueError):
+        spec = None
+    dirs = list(spec.submodule_search_locations or []) if spec is not None else []
+    for d in dirs:
+        lib = Path(d) / "lib" / "libcudart.so.12"
+        if lib.exists():
+            try:
+                ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+                return None
+            except OSError as e:
+                return f"cannot load {lib}: {e}"
+    return "libcudart.so.12 not found (pip install nvidia-cuda-runtime-cu12)"
+
+
+def available() -> Availability:
+    """Whether the engine imports here, and if not, how to install it. Cached; the only
+    side effect is loading the shared libraries (no engine, thread or socket)."""
+    global _avail
+    with _avail_lock:
+        if _avail is None:
+            _avail = _probe()
+        return _avail
+
+
+def _probe() -> Availability:
+    if importlib.util.find_spec("mooncake") is None:
+        return Availability(False, f"mooncake-transfer-engine is not installed: {INSTALL_HINT}")
+    problem = _preload_cudart()
+    if problem is not None:
+        return Availability(False, f"{problem}: {INSTALL_HINT}")
+    try:
+        import mooncake.engine  # noqa: F401
+    except ImportError as e:
+        return Availability(False, f"mooncake.engine does not load ({e}): {INSTALL_HINT}")
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        v = version("mooncake-transfer-engine")
+    except PackageNotFoundError:
+        v = "?"
+    return Availability(True, f"mooncake-transfer-engine {v}")
+
+
+@dataclass(slots=True, eq=False)
+class _Job:
+    """One submit: its segments, how many are sent, how many are still in flight."""
+
+    handle: Handle
+    peer: MooncakePeer
+    src: list[int]
+    dst: list[int]
+    length: list[int]
+    sent: int = 0
+    outstanding: int = 0
+    stopped: bool = False  # failed, cancelled or closed: send nothing more
+
+    def finish_if_done(self) -> None:
+        if not self.stopped and self.sent == len(self.src) and self.outstanding == 0:
+            self.stopped = True
+            self.handle.set_done()
+
+    def fail(self, error: TransportError) -> None:
+        if not self.stopped:
+            self.stopped = True
+            self.handle.set_failed(error)
+
+
+@dataclass(slots=True, eq=False)
+class _Lane:
+    """Everything in flight to one peer session (the engine's per-peer queue)."""
+
+    session: str
+    queue: deque[_Job] = field(default_factory=deque)
+    inflight: list[tuple[int, _Job]] = field(default_factory=list)
+    last_progress: float = 0.0
+    lost: PeerLost | None = None
+
+
+class MooncakePeer(Peer):
+    def __init__(self, endpoint: bytes, session: str, table: RegionTable,
+                 on_close: Callable[[MooncakePeer], None]) -> None:
+        super().__init__(endpoint, f"mooncake:{session}")
+        self.session = session
+        self.table = table
+        self._closed = False
+        self._on_close = on_close
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._on_close(self)
+
+
+class MooncakeTransport(Transport):
+    """Mooncake TE adapter. Thread-safe (one lock around engine state; one progress
+    thread). Options (keyword-only):
+
+    ``protocol``: ``"tcp"`` (default) or ``"rdma"``; ``host``: the address peers use to
+    reach this side (default 127.0.0.1); ``device``: RDMA NIC names, comma-separated
+    (``""`` = auto); ``max_inflight``: requests outstanding per peer (default 1024, the
+    engine's default queue; raised up to 65535 together with the engine env);
+    ``io_timeout``: seconds without a completion before a peer is declared lost
+    (default 30); ``connect_timeout`` (default 5); ``env``: extra ``MC_*`` variables
+    for the engine (e.g. ``MC_TCP_LANES_PER_PEER``), applied around its construction;
+    ``cuda``: also accept CUDA memory (registered as ``cuda:<device>``; untested here).
+    """
+
+    name: ClassVar[str] = "mooncake"
+    capabilities: ClassVar[Capabilities] = Capabilities()
+
+    def __init__(self, *, protocol: str = "tcp", host: str = "127.0.0.1", device: str = "",
+                 max_inflight: int = 1024, io_timeout: float = 30.0,
+                 connect_timeout: float = 5.0, env: Mapping[str, str] | None = None,
+                 cuda: bool = False) -> None:
+        if protocol not in ("tcp", "rdma"):
+            raise ValueError(f"mooncake protocol must be 'tcp' or 'rdma', got {protocol!r}")
+        if not 1 <= max_inflight <= _TCP_QUEUE_MAX or io_timeout <= 0 or connect_timeout <= 0:
+            raise ValueError(
+                f"mooncake needs 1 <= max_inflight <= {_TCP_QUEUE_MAX} and positive timeouts; "
+                f"got max_inflight={max_inflight}, io_timeout={io_timeout}, "
+                f"connect_timeout={connect_timeout}")
+        ok, reason = available()
+        if not ok:
+            raise TransportUnavailable(reason)
+        super().__init__()
+        if cuda:  # per instance: whether device memory is wanted is the caller's choice
+            self.capabilities = Capabilities(memory=frozenset(MemoryKind))  # type: ignore[misc]
+        self._protocol, self._host = protocol, host
+        self._io_timeout, self._connect_timeout = io_timeout, connect_timeout
+        self._te, self._window = self._make_engine(protocol, host, device, max_inflight,
+                                                   dict(env or {}))
+        self._session = f"{host}:{self._te.get_rpc_port()}"
+        self._lock = threading.Lock()
+        self._lanes: dict[str, _Lane] = {}
+        self._registered: list[int] = []
+        self._all = RegionTable()  # every registered region, device memory included
+        self._progress = Progress(f"kvhandoff-mooncake-{self._session}", self._step,
+                                  self._crashed)
+
+    @classmethod
+    def usable(cls) -> Availability:
+        return available()
+
+    @staticmethod
+    def _make_engine(protocol: str, host: str, device: str, max_inflight: int,
+                     extra: dict[str, str]) -> tuple[Any, int]:
+        """Build and initialize the engine with its env set; returns it and the window."""
+        from mooncake.engine import TransferEngine
+
+        env = dict(extra)
+        user_q = env.get("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER",
+                         os.environ.get("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"))
+        try:  # a queue configured by the user bounds our window; otherwise we size it
+            window = min(max_inflight, int(user_q)) if user_q else max_inflight
+        except ValueError:
+            window = min(max_inflight, 1024)
+        env.setdefault("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", str(window))
+        env.setdefault("MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER", str(window))
+        with _env_lock:
+            saved = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
+            try:
+                te = TransferEngine()
+                rc = te.initialize(host, "P2PHANDSHAKE", protocol, device)
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+        if rc != 0:
+            raise TransportUnavailable(
+                f"mooncake engine initialize({host!r}, P2PHANDSHAKE, {protocol!r}, "
+                f"{device!r}) failed: {_describe(rc)}")
+        return te, window
+
+    # --- registration & endpoints ---------------------------------------------------
+
+    def _register_regions(self, regions: list[Region]) -> None:
+        for r in regions:
+            location = f"cuda:{r.device}" if r.memory is MemoryKind.CUDA else "cpu:0"
+            rc = self._te.register_memory(r.ptr, r.nbytes, location)
+            if rc != 0:
+                raise ValueError(
+                    f"mooncake could not register {r.memory.value} memory [{r.ptr:#x}, "
+                    f"+{r.nbytes}): {_describe(rc)}")
+            self._registered.append(r.ptr)
+        self._all = add_regions(self._all, regions)
+
+    def check_sources(self, plan: Plan) -> None:
+        problem = plan_side_problem(plan, self._all, "src")
+        if problem is not None:
+            raise OutOfBounds(f"{self.name}: {problem} of this side")
+
+    def endpoint(self) -> bytes:
+        self._check_open()
+        return EngineEndpoint(kind=self.name, address=self._session,
+                              regions=describe_regions(self._all.regions),
+                              options=(("protocol", self._protocol),)).encode()
+
+    def connect(self, peer_endpoint: bytes) -> MooncakePeer:
+        self._check_open()
+        ep = EngineEndpoint.decode(peer_endpoint, self.name)
+        theirs = dict(ep.options).get("protocol")
+        if theirs != self._protocol:
+            raise ConnectError(
+                f"mooncake peer {ep.address} speaks {theirs!r}, this side {self._protocol!r}")
+        table = ep.table()
+        self._probe(ep.address)
+        with self._lock:
+            lane = self._lanes.get(ep.address)
+            if lane is not None and lane.lost is not None:
+                lane.lost = None  # reconnect after a loss: accept work again
+                lane.last_progress = time.monotonic()
+        return MooncakePeer(peer_endpoint, ep.address, table, self._peer_closed)
+
+    def _peer_closed(self, peer: MooncakePeer) -> None:
+        """Fail what is pending to ``peer``; requests already in the engine run out."""
+        error = TransportClosed(f"peer {peer.name} was closed")
+        with self._lock:
+            lane = self._lanes.get(peer.session)
+            if lane is None:
+                return
+            for job in lane.queue:
+                if job.peer is peer:
+                    job.fail(error)
+            for _, job in lane.inflight:
+                if job.peer is peer:
+                    job.fail(error)
+
+    def _probe(self, session: str) -> None:
+        """Check the peer answers its handshake port, bounded by ``connect_timeout``."""
+        probe = getattr(self._te, "send_probe", None)
+        if probe is None:
+            return  # older engines: the first transfer does the handshake
+        result: list[int] = []
+        t = threading.Thread(target=lambda: result.append(probe(session)), daemon=True,
+                             name=f"kvhandoff-mooncake-probe-{session}")
+        t.start()
+        t.join(self._connect_timeout)
+        if not result:
+            raise ConnectError(f"mooncake peer {session} did not answer within "
+                               f"{self._connect_timeout}s")
+        if result[0] != 0:
+            raise ConnectError(f"mooncake peer {session} unreachable: {_describe(result[0])}")
+
+    # --- the data path ---------------------------------------------------------------
+
+    def submit(self, peer: Peer, plan: Plan) -> Handle:
+        self._check_open()
+        if not isinstance(peer, MooncakePeer):
+            raise TypeError(f"mooncake transport cannot submit to {peer!r}")
+        if peer.closed:
+            raise TransportClosed(f"peer {peer.name} is closed")
+        self.check_sources(plan)
+        nbytes = plan.nbytes
+        if not nbytes:
+            return Handle.completed(peer=peer.name)
+        problem = plan_side_problem(plan, peer.table, "dst")
+        if problem is not None:
+            h = Handle(nbytes=nbytes, peer=peer.name)
+            h.set_failed(RemoteOutOfBounds(f"{peer.name} refused the write: {problem}"))
+            return h
+        segs = engine_segments(plan, self._all, peer.table)
+        handle = Handle(nbytes=nbytes, peer=peer.name)  # release: _fill sees it final
+        job = _Job(handle, peer, segs.src.tolist(), segs.dst.tolist(), segs.length.tolist())
+        with self._lock:
+            self._check_open()
+            lane = self._lanes.setdefault(peer.session, _Lane(peer.session))
+            if lane.lost is not None:
+                job.fail(PeerLost(f"{peer.name}: {lane.lost}"))
+                return handle
+            if not lane.inflight:
+                lane.last_progress = time.monotonic()
+            lane.queue.append(job)
+            self._fill(lane, limit=64)  # start at once; the progress thread sends the rest
+        self._progress.kick()
+        return handle
+
+    def wait(self, handle: Handle, timeout: float) -> TransferState:
+        """Block until final or ``timeout``, polling the engine from this thread."""
+        return self._progress.wait(handle, timeout)
+
+    def _fill(self, lane: _Lane, limit: int) -> bool:
+        """Send queued segments while the lane has room (caller holds the lock)."""
+        sent = 0
+        te, session = self._te, lane.session
+        while lane.queue and len(lane.inflight) < self._window and sent < limit:
+            job = lane.queue[0]
+            if job.stopped or job.handle.state is not TransferState.PENDING or job.peer.closed:
+                if job.peer.closed:
+                    job.fail(TransportClosed(f"peer {job.peer.name} was closed"))
+                job.stopped = True
+                lane.queue.popleft()
+                continue
+            i = job.sent
+            bid = te.batch_transfer_async_write(session, [job.src[i]], [job.dst[i]],
+                                                [job.length[i]])
+            if not 0 < bid < 1 << 63:  # 0 / -1: opening the peer's segment or submit failed
+                job.fail(PeerLost(f"mooncake could not submit to {session} (segment open or "
+                                  f"submit refused; the engine log says why)"))
+                lane.queue.popleft()
+                continue
+            lane.inflight.append((bid, job))
+            job.sent += 1
+            job.outstanding += 1
+            sent += 1
+            if job.sent == len(job.src):
+                lane.queue.popleft()
+        return sent > 0
+
+    def _reap(self, lane: _Lane, now: float) -> bool:
+        """Collect finished requests among the oldest ``_SCAN`` in flight (caller holds
+        the lock). Requests spread over several TCP lanes, so they finish roughly but
+        not exactly in order: looking past the first pending one keeps the window full."""
+        check = self._te.transfer_check_status
+        head = lane.inflight[:_SCAN]
+        keep: list[tuple[int, _Job]] = []
+        for bid, job in head:
+            rc = check(bid)  # frees the batch once it is final: never ask about it again
+            if rc == 0:
+                keep.append((bid, job))
+                continue
+            job.outstanding -= 1
+            if rc == 1:
+                job.finish_if_done()
+            else:
+                job.fail(_status_error(rc, lane.session))
+        done = len(head) - len(keep)
+        if done:
+            lane.inflight[:len(head)] = keep
+            lane.last_progress = now
+        elif lane.inflight and now - lane.last_progress > self._io_timeout:
+            self._lose(lane, f"no completion from {lane.session} in {self._io_timeout}s")
+        return done > 0
+
+    def _lose(self, lane: _Lane, why: str) -> None:
+        """Give up on a lane: fail everything queued or in flight, and refuse new work
+        until the peer is connected again. Requests already in the engine stay listed
+        (they still occupy its per-peer queue) and are reaped whenever the lane is
+        polled again, so a reconnect never overfills that queue."""
+        lane.lost = PeerLost(why)
+        lane.last_progress = time.monotonic()
+        for _, job in lane.inflight:
+            job.fail(PeerLost(why))
+        for job in lane.queue:
+            job.fail(PeerLost(why))
+        lane.queue.clear()
+
+    def _step(self) -> tuple[bool, bool]:
+        now = time.monotonic()
+        progressed = busy = False
+        with self._lock:
+            if self._te is None:
+                return False, False
+            for lane in list(self._lanes.values()):
+                progressed |= self._reap(lane, now)
+                progressed |= self._fill(lane, limit=self._window)
+                # a lost lane's leftovers are reaped when new work kicks the thread
+                busy |= bool(lane.queue or (lane.inflight and lane.lost is None))
+        return progressed, busy
+
+    def _crashed(self, exc: BaseException) -> None:
+        with self._lock:
+            for lane in self._lanes.values():
+                self._lose(lane, f"mooncake progress thread crashed: {exc!r}")
+
+    # --- lifecycle ---------------------------------------------------------------------
+
+    def _close(self) -> None:
+        deadline = time.monotonic() + min(self._io_timeout, 2.0)
+        with self._lock:  # stop sending; fail what is pending
+            for lane in self._lanes.values():
+                for job in lane.queue:
+                    job.fail(TransportClosed("mooncake transport closed"))
+                lane.queue.clear()
+                for _, job in lane.inflight:
+                    job.fail(TransportClosed("mooncake transport closed"))
+        # let requests already in the engine finish before it is destroyed
+        while time.monotonic() < deadline:
+            with self._lock:
+                for lane in self._lanes.values():
+                    self._reap(lane, time.monotonic())
+                pending = any(lane.inflight for lane in self._lanes.values())
+            if not pending:
+                break
+            time.sleep(0.001)
+        self._progress.stop()
+        with self._lock:
+            for lane in self._lanes.values():
+                lane.inflight.clear()
+            for ptr in self._registered:
+                self._te.unregister_memory(ptr)
+            self._registered.clear()
+            self._te = None  # the engine's destructor closes its sessions and threads

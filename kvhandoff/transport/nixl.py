@@ -1,0 +1,572 @@
+"""NVIDIA NIXL over UCX: DRAM here (single-copy ``cma`` between processes on one host),
+VRAM where CUDA is (opt-in, ``cuda=True``).
+
+Install: ``pip install 'kvhandoff[nixl]'`` gives ``nixl-cu12``, whose metadata also
+requires torch (~6 GB) although NIXL imports it only for type checking; add
+``--no-deps`` (``make engines``) to skip it. No system packages: UCX is bundled.
+
+How the agent is driven, and why (measured in ``reference/baselines.md`` §3-4):
+
+* **No progress thread.** ``nixl_agent_config()``'s default thread busy-polls a core per
+  agent even when idle. Here it is off; the initiator polls ``check_xfer_state`` with
+  backoff sleeps (:class:`~kvhandoff.transport._engine.Progress`), and the target does
+  nothing (single-copy ``cma`` and RDMA writes need no target progress).
+* **UCX error handling ``none``**: with the default ``peer`` mode UCX drops the
+  shared-memory transports for active messages, so wire-up goes over TCP and *hangs
+  without target progress*. With ``none``, wire-up uses shared memory (~1 ms), the
+  first transfer costs ~0.1 ms, and a dead peer still surfaces (``cma`` writes fail:
+  ``PeerLost``). ``UCX_TLS`` / ``UCX_NET_DEVICES`` can be set through the options; they
+  are applied around agent creation only.
+* **Descriptors**: the plan's coalesced segments (NIXL never merges adjacent
+  descriptors; coalescing is the caller's job and pays ~8×) become two N×3 lists and
+  one WRITE (``initialize_xfer``). Prepared descriptor lists (``prep_xfer_dlist`` +
+  index selection) pay only for fixed slot grids reused across transfers; plans here
+  are arbitrary coalesced ranges, and the baseline measured fresh lists within 10% of
+  prepared ones. The xfer handle of the last plan sent to a peer is kept and re-posted
+  when the identical plan comes again (repeated handoffs into the same slots).
+* Small plans (<= ``inline_bytes``) are posted from ``submit``'s thread: a ``cma`` put
+  completes inside the post call. Larger ones are posted by the progress thread so
+  ``submit`` returns at once.
+* NIXL's ``"DONE"/"PROC"/"ERR"`` strings and its exceptions are mapped to
+  :class:`TransferState` and :mod:`kvhandoff.transport.errors` in :func:`_status` and
+  :func:`_error`, nowhere else.
+
+The endpoint carries the agent metadata and the registered region table; ``submit``
+refuses a plan with any destination byte outside the peer's advertised regions before
+anything is posted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import os
+import secrets
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from kvhandoff.errors import OutOfBounds
+from kvhandoff.layout import MemoryKind, Region
+from kvhandoff.plan.model import Plan, Segments
+from kvhandoff.transport._engine import (
+    EngineEndpoint,
+    Progress,
+    add_regions,
+    describe_regions,
+    engine_segments,
+)
+from kvhandoff.transport.base import (
+    Availability,
+    Capabilities,
+    Handle,
+    Peer,
+    TransferState,
+    Transport,
+)
+from kvhandoff.transport.errors import (
+    ConnectError,
+    PeerLost,
+    RemoteOutOfBounds,
+    RemoteRefused,
+    TransferFailed,
+    TransportClosed,
+    TransportError,
+    TransportUnavailable,
+)
+from kvhandoff.transport.regions import RegionTable, plan_side_problem
+
+__all__ = ["NixlTransport", "available"]
+
+INSTALL_HINT = ("pip install --no-deps nixl-cu12 (or `make engines`; plain "
+                "`pip install 'kvhandoff[nixl]'` also pulls torch, which NIXL does not need)")
+
+_MEM = {MemoryKind.HOST: "DRAM", MemoryKind.CUDA: "VRAM"}
+_STATES = {"DONE": TransferState.DONE, "PROC": TransferState.PENDING,
+           "ERR": TransferState.FAILED}
+
+_env_lock = threading.Lock()
+_avail: Availability | None = None
+_avail_lock = threading.Lock()
+
+
+def _status(s: str) -> TransferState:
+    """The one place NIXL's status strings are read."""
+    return _STATES.get(s, TransferState.FAILED)
+
+
+def _error(exc: BaseException | None, what: str) -> TransportError:
+    """The one place a NIXL failure (an exception, or an ``"ERR"`` status when ``exc``
+    is None) becomes a kvhandoff error."""
+    kind = type(exc).__name__ if exc is not None else "ERR"
+    msg = f"{what}: NIXL {kind}" + (f" ({exc})" if exc is not None and str(exc) else "")
+    if kind == "nixlRemoteDisconnectError":
+        return PeerLost(msg)
+    if kind == "nixlNotFoundError":  # no registration covers a descriptor
+        return RemoteRefused(msg)
+    return TransferFailed(msg)
+
+
+def available() -> Availability:
+    """Whether NIXL imports here, and if not, how to install it. Cached; loads the
+    shared libraries but creates no agent."""
+    global _avail
+    with _avail_lock:
+        if _avail is None:
+            _avail = _probe()
+        return _avail
+
+
+def _probe() -> Availability:
+    if importlib.util.find_spec("nixl_cu12") is None:
+        return Availability(False, f"nixl-cu12 is not installed: {INSTALL_HINT}")
+    try:
+        import nixl_cu12  # noqa: F401
+    except ImportError as e:
+        return Availability(False, f"nixl_cu12 does not load ({e}): {INSTALL_HINT}")
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        v = version("nixl-cu12")
+    except PackageNotFoundError:
+        v = "?"
+    return Availability(True, f"nixl-cu12 {v} (UCX)")
+
+
+@dataclass(slots=True, eq=False)
+class _Xfer:
+    """One NIXL transfer request (one memory-type pair of a plan)."""
+
+    handle: Any  # nixl_xfer_handle
+    posted: float = 0.0
+    done: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class _Job:
+    handle: Handle
+    peer: NixlPeer
+    xfers: list[_Xfer]
+    key: bytes = b""  # identity of the plan's segments, for re-posting
+    stopped: bool = False
+
+    def fail(self, error: TransportError) -> None:
+        if not self.stopped:
+            self.stopped = True
+            self.handle.set_failed(error)
+
+
+class NixlPeer(Peer):
+    def __init__(self, endpoint: bytes, agent: str, table: RegionTable,
+                 on_close: Callable[[NixlPeer], None]) -> None:
+        super().__init__(endpoint, f"nixl:{agent}")
+        self.agent = agent
+        self.table = table
+        self._closed = False
+        self._on_close = on_close
+        self.cached: tuple[bytes, list[_Xfer]] | None = None  # last plan's xfer handles
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._on_close(self)
+
+
+class NixlTransport(Transport):
+    """NIXL/UCX adapter. Thread-safe: the agent is not (sync mode NONE), so one lock
+    serialises every agent call. Options (keyword-only):
+
+    ``ucx_tls`` / ``net_devices``: ``UCX_TLS`` / ``UCX_NET_DEVICES`` for this agent
+    (default: UCX's choice; on one host that is ``cma`` for data); ``error_handling``:
+    UCX ``ucx_error_handling_mode`` (default ``"none"``, see the module docstring);
+    ``inline_bytes``: plans up to this size are posted from ``submit`` (default 4 MiB);
+    ``io_timeout``: seconds a posted transfer may stay in progress before the peer is
+    declared lost (default 30); ``connect_timeout`` (default 5); ``cuda``: also accept
+    CUDA memory as VRAM (untested here); ``agent_name``: default
+    ``kvh-<host>-<pid>-<random>``.
+    """
+
+    name: ClassVar[str] = "nixl"
+    capabilities: ClassVar[Capabilities] = Capabilities()
+
+    def __init__(self, *, ucx_tls: str | None = None, net_devices: str | None = None,
+                 error_handling: str = "none", inline_bytes: int = 4 << 20,
+                 io_timeout: float = 30.0, connect_timeout: float = 5.0, cuda: bool = False,
+                 agent_name: str | None = None, env: Mapping[str, str] | None = None) -> None:
+        if error_handling not in ("none", "peer"):
+            raise ValueError(f"error_handling must be 'none' or 'peer', got {error_handling!r}")
+        if inline_bytes < 0 or io_timeout <= 0 or connect_timeout <= 0:
+            raise ValueError(
+                f"nixl needs inline_bytes >= 0 and positive timeouts; got inline_bytes="
+                f"{inline_bytes}, io_timeout={io_timeout}, connect_timeout={connect_timeout}")
+        ok, reason = available()
+        if not ok:
+            raise TransportUnavailable(reason)
+        super().__init__()
+        if cuda:  # per instance: whether device memory is wanted is the caller's choice
+            self.capabilities = Capabilities(memory=frozenset(MemoryKind))  # type: ignore[misc]
+        self._inline = inline_bytes
+        self._io_timeout, self._connect_timeout = io_timeout, connect_timeout
+        self.agent_name = agent_name or (
+            f"kvh-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}")
+        ucx_env = dict(env or {})
+        if ucx_tls is not None:
+            ucx_env["UCX_TLS"] = ucx_tls
+        if net_devices is not None:
+            ucx_env["UCX_NET_DEVICES"] = net_devices
+        self._agent = self._make_agent(self.agent_name, error_handling, ucx_env)
+        self._lock = threading.Lock()
+        self._reg_descs: list[Any] = []
+        self._all = RegionTable()  # every registered region, device memory included
+        self._to_post: deque[_Job] = deque()
+        self._inflight: list[_Job] = []
+        self._peers: list[NixlPeer] = []  # for their cached requests
+        self._progress = Progress(f"kvhandoff-nixl-{self.agent_name}", self._step,
+                                  self._crashed)
+
+    @classmethod
+    def usable(cls) -> Availability:
+        return available()
+
+    @staticmethod
+    def _make_agent(name: str, error_handling: str, env: dict[str, str]) -> Any:
+        from nixl_cu12 import nixl_agent, nixl_agent_config
+
+        with _env_lock:  # UCX reads its env when the backend is created
+            saved = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
+            try:
+                agent = nixl_agent(name, nixl_agent_config(
+                    enable_prog_thread=False, enable_listen_thread=False, backends=[]))
+                if "UCX" not in agent.get_plugin_list():
+                    raise TransportUnavailable(
+                        f"NIXL has no UCX plugin (plugins: {agent.get_plugin_list()})")
+                agent.create_backend("UCX", {"ucx_error_handling_mode": error_handling})
+            except TransportUnavailable:
+                raise
+            except Exception as e:  # NIXL raises its own exception types
+                raise TransportUnavailable(f"NIXL agent {name!r} could not start: {e!r}") from e
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+        return agent
+
+    # --- registration & endpoints ---------------------------------------------------
+
+    def _register_regions(self, regions: list[Region]) -> None:
+        with self._lock:
+            for r in regions:
+                try:
+                    self._reg_descs.append(self._agent.register_memory(
+                        [(r.ptr, r.nbytes, r.device, "")], _MEM[r.memory]))
+                except Exception as e:
+                    raise ValueError(
+                        f"nixl could not register {r.memory.value} memory [{r.ptr:#x}, "
+                        f"+{r.nbytes}): {e!r}") from e
+            self._all = add_regions(self._all, regions)
+
+    def check_sources(self, plan: Plan) -> None:
+        problem = plan_side_problem(plan, self._all, "src")
+        if problem is not None:
+            raise OutOfBounds(f"{self.name}: {problem} of this side")
+
+    def endpoint(self) -> bytes:
+        self._check_open()
+        with self._lock:
+            md = self._agent.get_agent_metadata()  # carries the registrations
+            regions = describe_regions(self._all.regions)
+        return EngineEndpoint(kind=self.name, address=self.agent_name, regions=regions,
+                              blob=bytes(md)).encode()
+
+    def connect(self, peer_endpoint: bytes) -> NixlPeer:
+        self._check_open()
+        ep = EngineEndpoint.decode(peer_endpoint, self.name)
+        table = ep.table()
+        with self._lock:
+            try:
+                loaded = self._agent.add_remote_agent(ep.blob)
+            except Exception as e:
+                raise ConnectError(f"nixl could not load peer {ep.address}'s metadata: {e!r}"
+                                   ) from e
+            name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+            if name != ep.address:
+                raise ConnectError(f"nixl endpoint names agent {ep.address!r} but its "
+                                   f"metadata is for {name!r}")
+            try:  # wire up now (~1 ms on one host) rather than in the first transfer
+                self._agent.make_connection(name)
+            except Exception as e:
+                raise ConnectError(f"nixl could not connect to {name}: {e!r}") from e
+        peer = NixlPeer(peer_endpoint, name, table, self._peer_closed)
+        with self._lock:
+            self._peers.append(peer)
+        return peer
+
+    def _peer_closed(self, peer: NixlPeer) -> None:
+        """Fail and release what is pending to ``peer``, and its cached requests."""
+        error = TransportClosed(f"peer {peer.name} was closed")
+        with self._lock:
+            if self._agent is None:
+                return
+            for job in [j for j in self._to_post if j.peer is peer]:
+                self._to_post.remove(job)
+                job.fail(error)
+                _release(job.xfers)
+            for job in [j for j in self._inflight if j.peer is peer]:
+                self._drop(job, error)
+            if peer.cached is not None:
+                _release(peer.cached[1])
+                peer.cached = None
+            if peer in self._peers:
+                self._peers.remove(peer)
+
+    # --- the data path ---------------------------------------------------------------
+
+    def submit(self, peer: Peer, plan: Plan) -> Handle:
+        self._check_open()
+        if not isinstance(peer, NixlPeer):
+            raise TypeError(f"nixl transport cannot submit to {peer!r}")
+        if peer.closed:
+            raise TransportClosed(f"peer {peer.name} is closed")
+        self.check_sources(plan)
+        nbytes = plan.nbytes
+        if not nbytes:
+            return Handle.completed(peer=peer.name)
+        problem = plan_side_problem(plan, peer.table, "dst")
+        if problem is not None:
+            h = Handle(nbytes=nbytes, peer=peer.name)
+            h.set_failed(RemoteOutOfBounds(f"{peer.name} refused the write: {problem}"))
+            return h
+        segs = engine_segments(plan, self._all, peer.table)
+        handle = Handle(nbytes=nbytes, peer=peer.name)
+        key = _key(segs)
+        with self._lock:
+            self._check_open()
+            job = _Job(handle, peer, [], key)
+            try:
+                job.xfers = self._xfers(peer, segs, key)
+            except Exception as e:
+                job.fail(_error(e, f"nixl could not build the transfer to {peer.name}"))
+                return handle
+            if nbytes <= self._inline:
+                self._post(job, time.monotonic())
+                if job.stopped:
+                    _release(job.xfers)
+                else:
+                    self._inflight.append(job)
+                    self._finish_if_done(job)
+            else:
+                self._to_post.append(job)
+        if not job.stopped:
+            self._progress.kick()
+        return handle
+
+    def _xfers(self, peer: NixlPeer, segs: Segments, key: bytes) -> list[_Xfer]:
+        """Transfer requests for ``segs``: the peer's cached ones for an identical plan
+        that is not in flight, else one new request per memory-type pair."""
+        cached = peer.cached
+        if cached is not None and cached[0] == key and all(x.done for x in cached[1]):
+            peer.cached = None
+            for x in cached[1]:
+                x.done = False
+            return cached[1]
+        out: list[_Xfer] = []
+        a = self._agent
+        try:
+            for (skind, dkind), idx in _by_kinds(segs, self._all, peer.table):
+                n = len(idx)
+                local = np.empty((n, 3), np.uint64)
+                remote = np.empty((n, 3), np.uint64)
+                local[:, 0], local[:, 1] = segs.src[idx], segs.length[idx]
+                remote[:, 0], remote[:, 1] = segs.dst[idx], segs.length[idx]
+                local[:, 2] = _devices(segs.src[idx], self._all)
+                remote[:, 2] = _devices(segs.dst[idx], peer.table)
+                out.append(_Xfer(a.initialize_xfer(
+                    "WRITE", a.get_xfer_descs(local, _MEM[skind]),
+                    a.get_xfer_descs(remote, _MEM[dkind]), peer.agent)))
+        except BaseException:
+            _release(out)
+            raise
+        return out
+
+    def _post(self, job: _Job, now: float) -> None:
+        """Post every request of ``job`` (caller holds the lock)."""
+        for x in job.xfers:
+            try:
+                state = _status(self._agent.transfer(x.handle))
+            except Exception as e:
+                job.fail(_error(e, f"nixl write to {job.peer.name} failed"))
+                return
+            if state is TransferState.FAILED:
+                job.fail(_error(None, f"nixl write to {job.peer.name} failed"))
+                return
+            x.posted, x.done = now, state is TransferState.DONE
+
+    def _finish_if_done(self, job: _Job) -> None:
+        """Complete a job whose requests are all done; keep its requests for re-posting
+        (caller holds the lock)."""
+        if job.stopped or not all(x.done for x in job.xfers):
+            return
+        job.stopped = True
+        job.handle.set_done()
+        self._inflight.remove(job)
+        old, job.peer.cached = job.peer.cached, (job.key, job.xfers)
+        if old is not None and old[1] is not job.xfers:
+            _release(old[1])
+
+    def wait(self, handle: Handle, timeout: float) -> TransferState:
+        """Block until final or ``timeout``, polling the agent from this thread."""
+        return self._progress.wait(handle, timeout)
+
+    def _step(self) -> tuple[bool, bool]:
+        progressed = False
+        now = time.monotonic()
+        with self._lock:
+            if self._closed and not self._inflight:
+                return False, False
+            while self._to_post:  # large plans, posted here so submit returned at once
+                job = self._to_post.popleft()
+                if job.handle.state is not TransferState.PENDING or job.peer.closed:
+                    self._drop(job, TransportClosed(f"peer {job.peer.name} was closed"))
+                    continue
+                self._post(job, now)
+                progressed = True
+                if job.stopped:
+                    _release(job.xfers)
+                else:
+                    self._inflight.append(job)
+                    self._finish_if_done(job)
+            for job in list(self._inflight):
+                progressed |= self._check(job, now)
+            busy = bool(self._inflight or self._to_post)
+        return progressed, busy
+
+    def _check(self, job: _Job, now: float) -> bool:
+        """Poll one job's requests (caller holds the lock); True if something finished."""
+        if job.handle.state is not TransferState.PENDING or job.peer.closed:
+            return self._drop(job, TransportClosed(f"peer {job.peer.name} was closed"))
+        changed = False
+        for x in job.xfers:
+            if x.done:
+                continue
+            try:
+                state = _status(self._agent.check_xfer_state(x.handle))
+                error = None if state is not TransferState.FAILED else _error(
+                    None, f"nixl write to {job.peer.name} failed")
+            except Exception as e:
+                error = _error(e, f"nixl write to {job.peer.name} failed")
+                state = TransferState.FAILED
+            if error is not None:
+                job.fail(error)
+                return self._drop(job, error)
+            if state is TransferState.DONE:
+                x.done = changed = True
+            elif now - x.posted > self._io_timeout:
+                error = PeerLost(f"nixl write to {job.peer.name} made no progress in "
+                                 f"{self._io_timeout}s")
+                job.fail(error)
+                return self._drop(job, error)
+        self._finish_if_done(job)
+        return changed
+
+    def _drop(self, job: _Job, error: TransportError) -> bool:
+        """Stop tracking a failed or abandoned job and release its requests (releasing
+        an active request asks NIXL to cancel it)."""
+        job.fail(error)
+        if job in self._inflight:
+            self._inflight.remove(job)
+        _release(job.xfers)
+        return True
+
+    def _crashed(self, exc: BaseException) -> None:
+        with self._lock:
+            for job in [*self._inflight, *self._to_post]:
+                job.fail(TransferFailed(f"nixl progress thread crashed: {exc!r}"))
+
+    # --- lifecycle ---------------------------------------------------------------------
+
+    def _close(self) -> None:
+        deadline = time.monotonic() + min(self._io_timeout, 2.0)
+        with self._lock:
+            for job in self._to_post:
+                job.fail(TransportClosed("nixl transport closed"))
+                _release(job.xfers)
+            self._to_post.clear()
+            for job in self._inflight:
+                job.fail(TransportClosed("nixl transport closed"))
+        while time.monotonic() < deadline:  # let posted requests finish before teardown
+            _, busy = self._step()
+            if not busy:
+                break
+            time.sleep(0.001)
+        self._progress.stop()
+        with self._lock:
+            for job in self._inflight:
+                _release(job.xfers)
+            self._inflight.clear()
+            for peer in self._peers:
+                if peer.cached is not None:
+                    _release(peer.cached[1])
+                    peer.cached = None
+            self._peers.clear()
+            for descs in self._reg_descs:
+                with contextlib.suppress(Exception):  # teardown: the agent goes next anyway
+                    self._agent.deregister_memory(descs)
+            self._reg_descs.clear()
+            self._agent = None
+
+
+def _key(segs: Segments) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    for a in (segs.src, segs.dst, segs.length):
+        h.update(np.ascontiguousarray(a).data)
+    return h.digest()
+
+
+def _release(xfers: list[_Xfer]) -> None:
+    for x in xfers:
+        with contextlib.suppress(Exception):  # an active request NIXL cannot cancel: kept
+            x.handle.release()
+
+
+def _locate(addr: np.ndarray, table: RegionTable) -> np.ndarray:
+    starts = np.array([r.ptr for r in table.regions], np.int64)
+    return np.maximum(np.searchsorted(starts, addr, side="right") - 1, 0)
+
+
+def _devices(addr: np.ndarray, table: RegionTable) -> np.ndarray:
+    if all(r.device == 0 for r in table.regions):
+        return np.zeros(len(addr), np.uint64)
+    dev = np.array([r.device for r in table.regions], np.uint64)
+    out: np.ndarray = dev[_locate(addr, table)]
+    return out
+
+
+def _by_kinds(segs: Segments, src: RegionTable, dst: RegionTable
+              ) -> list[tuple[tuple[MemoryKind, MemoryKind], np.ndarray]]:
+    """Segment indices grouped by (source memory kind, destination memory kind)."""
+    every = np.arange(len(segs))
+    skinds = {r.memory for r in src.regions}
+    dkinds = {r.memory for r in dst.regions}
+    if len(skinds) <= 1 and len(dkinds) <= 1:
+        return [((next(iter(skinds), MemoryKind.HOST), next(iter(dkinds), MemoryKind.HOST)),
+                 every)]
+    kinds = list(MemoryKind)
+    code = {k: i for i, k in enumerate(kinds)}
+    sk = np.array([code[r.memory] for r in src.regions])[_locate(segs.src, src)]
+    dk = np.array([code[r.memory] for r in dst.regions])[_locate(segs.dst, dst)]
+    pair = sk * len(kinds) + dk
+    return [((kinds[p // len(kinds)], kinds[p % len(kinds)]), every[pair == p])
+            for p in np.unique(pair).tolist()]

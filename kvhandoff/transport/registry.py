@@ -1,0 +1,79 @@
+"""Transports by name: which exist, which can run here and why not, and a factory.
+
+Engine modules are imported lazily (only when asked about), so ``import kvhandoff``
+never loads an engine wheel. A module that fails to import is reported unavailable
+with the import error as the reason; it never breaks the other transports.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from typing import Any
+
+from kvhandoff.transport.base import Availability, Transport
+from kvhandoff.transport.errors import TransportUnavailable
+
+_lock = threading.Lock()
+_TARGETS: dict[str, str] = {
+    "memory": "kvhandoff.transport.memory:MemoryTransport",
+    "tcp": "kvhandoff.transport.tcp:TcpTransport",
+    "shm": "kvhandoff.transport.shm:ShmTransport",
+    "mooncake": "kvhandoff.transport.mooncake:MooncakeTransport",
+    "nixl": "kvhandoff.transport.nixl:NixlTransport",
+}
+
+DEFAULT = "tcp"
+
+
+def register_transport(name: str, target: str) -> None:
+    """Add (or replace) a transport: ``target`` is ``"package.module:ClassName"``."""
+    if ":" not in target:
+        raise ValueError(f"transport target must be 'module:Class', got {target!r}")
+    with _lock:
+        _TARGETS[name] = target
+
+
+def transport_names() -> list[str]:
+    with _lock:
+        return list(_TARGETS)
+
+
+def transport_class(name: str) -> type[Transport]:
+    """The class registered as ``name``; raises TransportUnavailable if it cannot load."""
+    with _lock:
+        target = _TARGETS.get(name)
+    if target is None:
+        raise TransportUnavailable(f"unknown transport {name!r}; known: {transport_names()}")
+    mod_name, _, cls_name = target.partition(":")
+    try:
+        mod = importlib.import_module(mod_name)
+        cls = getattr(mod, cls_name)
+    except (ImportError, AttributeError) as e:
+        raise TransportUnavailable(f"transport {name!r} cannot be loaded ({target}): {e}") from e
+    if not (isinstance(cls, type) and issubclass(cls, Transport)):
+        raise TransportUnavailable(f"transport {name!r}: {target} is not a Transport subclass")
+    return cls
+
+
+def available_transports() -> dict[str, Availability]:
+    """Every known transport → ``(ok, reason)``. Never raises."""
+    out: dict[str, Availability] = {}
+    for name in transport_names():
+        try:
+            out[name] = transport_class(name).usable()
+        except TransportUnavailable as e:
+            out[name] = Availability(False, str(e))
+        except Exception as e:  # a broken engine module must not hide the others
+            out[name] = Availability(False, f"{type(e).__name__}: {e}")
+    return out
+
+
+def create_transport(name: str = DEFAULT, **options: Any) -> Transport:
+    """Instantiate transport ``name`` with keyword options; raises TransportUnavailable
+    (with the reason) if it cannot run here."""
+    cls = transport_class(name)
+    ok, reason = cls.usable()
+    if not ok:
+        raise TransportUnavailable(f"transport {name!r} is not usable here: {reason}")
+    return cls(**options)

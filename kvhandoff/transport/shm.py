@@ -1,0 +1,359 @@
+"""Same-host fast path: the sender copies straight into the receiver's shared memory.
+
+The receiver allocates its destination buffers with :meth:`ShmTransport.allocate`
+(memfd arenas, see :mod:`shm_arena`). ``connect`` opens a Unix socket to the receiver
+(abstract namespace: nothing on disk), proves the endpoint's token, and receives the
+arena file descriptors (``SCM_RIGHTS``) and the list of allocations. The sender maps
+the arenas and builds a :class:`RegionTable` whose addresses are the *receiver's* and
+whose buffers are its own mappings, so plan destination addresses resolve directly.
+
+``submit`` queues the transfer for the peer's copier thread, which checks every
+destination byte against the receiver's allocations (refused: nothing written),
+copies with numpy views (one copy), then sends a COMMIT on the socket; the handle is
+DONE when the receiver acknowledges it, so DONE also means "the receiver is alive".
+A receiver that dies closes the socket (pending handles → PeerLost at once); one that
+stops answering fails them after ``io_timeout``.
+
+Ordering: destinations allocated after a peer connected are not visible to it;
+reconnect (the base contract's ordering rule).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import queue
+import secrets
+import socket
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from kvhandoff.layout import Region
+from kvhandoff.plan.model import Plan, TensorPlan
+from kvhandoff.transport.base import (
+    Availability,
+    Capabilities,
+    Handle,
+    Peer,
+    TransferState,
+    Transport,
+)
+from kvhandoff.transport.errors import (
+    ConnectError,
+    PeerLost,
+    ProtocolError,
+    RemoteOutOfBounds,
+    TransferFailed,
+    TransportClosed,
+    TransportError,
+)
+from kvhandoff.transport.regions import U8, RegionTable, plan_side_problem
+from kvhandoff.transport.shm_arena import Arenas, map_fd
+from kvhandoff.transport.shm_server import MAX_FDS, ShmServer
+from kvhandoff.transport.tcp_io import recv_exact, recv_header
+from kvhandoff.transport.tcp_wire import HEADER, Header, Kind, Status
+from kvhandoff.transport.views import copy_entry, split_work
+
+log = logging.getLogger(__name__)
+
+_JOIN_S = 5.0
+
+
+def host_id() -> str:
+    """Identifies this machine boot (same value ⇔ shared memory can be mapped)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return socket.gethostname()
+
+
+def _copy_all(entries: list[TensorPlan], src: RegionTable, dst: RegionTable) -> None:
+    for e in entries:
+        copy_entry(e, src, dst)
+
+
+class _Job:
+    __slots__ = ("handle", "plan", "sent_at", "seq")
+
+    def __init__(self, handle: Handle, plan: Plan) -> None:
+        self.handle, self.plan = handle, plan
+        self.seq = 0
+        self.sent_at: float | None = None
+
+
+class ShmPeer(Peer):
+    """Thread-safe. One copier thread (copies, then COMMITs) and one reader thread."""
+
+    def __init__(self, endpoint: bytes, *, address: str, token: str, io_timeout: float,
+                 connect_timeout: float, table: Callable[[], RegionTable],
+                 pool: ThreadPoolExecutor, pool_size: int) -> None:
+        super().__init__(endpoint, f"shm:{token[:8]}")
+        self._pool, self._pool_size = pool, pool_size
+        self._io_timeout = io_timeout
+        self._local = table
+        self._lock = threading.Lock()
+        self._error: TransportError | None = None
+        self._jobs: set[_Job] = set()
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._inflight: deque[_Job] = deque()
+        self._seq = 0
+        self._sock, self.remote = self._dial(address, token.encode(), connect_timeout)
+        self._threads = [
+            threading.Thread(target=self._guard, args=(self._copy_loop,), daemon=True,
+                             name="kvh-shm-copy"),
+            threading.Thread(target=self._guard, args=(self._read_loop,), daemon=True,
+                             name="kvh-shm-read"),
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _dial(self, address: str, token: bytes, timeout: float
+              ) -> tuple[socket.socket, RegionTable]:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        fds: list[int] = []
+        try:
+            sock.settimeout(timeout)
+            sock.connect(address)
+            sock.sendall(Header(Kind.HELLO, 0, 0, len(token), 0).pack() + token)
+            first, fds, _flags, _addr = socket.recv_fds(sock, HEADER.size, MAX_FDS)
+            if not first:
+                raise EOFError("receiver closed the connection during the handshake")
+            hdr = bytearray(first) + bytearray(HEADER.size - len(first))
+            recv_exact(sock, memoryview(hdr)[len(first):])
+            h = Header.unpack(hdr)
+            body = bytearray(h.desc_len)
+            recv_exact(sock, memoryview(body))
+            if h.kind is not Kind.REPLY or h.code != Status.OK:
+                raise ConnectError(f"receiver refused the handshake: "
+                                   f"{body.decode(errors='replace')}")
+            info = json.loads(body)
+            maps = [map_fd(fd, int(n)) for fd, n in zip(fds, info["sizes"], strict=True)]
+            blocks: list[tuple[Region, U8]] = []
+            for ptr, n, arena, off in info["allocs"]:
+                blocks.append((Region(ptr=int(ptr), nbytes=int(n)),
+                               maps[int(arena)][int(off):int(off) + int(n)]))
+            sock.settimeout(self._io_timeout)
+            return sock, RegionTable(blocks)
+        except ConnectError:
+            sock.close()
+            raise
+        except (OSError, EOFError, ProtocolError, ValueError, KeyError, TypeError) as e:
+            sock.close()
+            raise ConnectError(f"shm handshake with {address!r} failed: {e}") from e
+        finally:
+            for fd in fds:
+                os.close(fd)  # the mappings keep the memory
+
+    def submit(self, plan: Plan) -> Handle:
+        if not plan:
+            return Handle.completed(peer=self.name)
+        job: _Job
+        handle = Handle(nbytes=plan.nbytes, peer=self.name, on_release=lambda h: self._forget(job))
+        job = _Job(handle, plan)
+        with self._lock:
+            if isinstance(self._error, TransportClosed):
+                raise TransportClosed(f"peer {self.name} is closed")
+            if self._error is not None:
+                handle.set_failed(self._error)
+                return handle
+            self._jobs.add(job)
+        self._queue.put(job)
+        return handle
+
+    def _forget(self, job: _Job) -> None:
+        with self._lock:
+            self._jobs.discard(job)
+
+    def _guard(self, loop: Callable[[], None]) -> None:
+        try:
+            loop()
+        except (OSError, EOFError) as e:
+            self._fail(PeerLost(f"lost {self.name}: {type(e).__name__}: {e}"))
+        except TransportError as e:
+            self._fail(e)
+        except Exception as e:
+            log.exception("shm peer %s: internal error in a worker thread", self.name)
+            self._fail(TransferFailed(f"internal error copying to {self.name}: {e!r}"))
+
+    def _copy_loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None or self._error is not None:
+                return
+            if job.handle.state is not TransferState.PENDING:
+                continue
+            problem = plan_side_problem(job.plan, self.remote, "dst")
+            if problem is not None:
+                job.handle.set_failed(RemoteOutOfBounds(
+                    f"{self.name} refused the write: {problem} (shm destinations must come "
+                    f"from the receiver's allocate(), before this peer connected)"))
+                self._forget(job)
+                continue
+            self._copy(job.plan)
+            job.plan = Plan(entries=())  # drop references to the plan's arrays
+            self._seq += 1
+            job.seq = self._seq
+            self._inflight.append(job)
+            self._sock.sendall(Header(Kind.WRITE, 0, job.seq, 0, 0).pack())
+            job.sent_at = time.monotonic()
+
+    def _copy(self, plan: Plan) -> None:
+        """Copy every entry; with a pool, share the units between this thread and the
+        pool's (scattered small pages are bound by per-page overhead, not bandwidth,
+        so two threads nearly double them)."""
+        src, dst = self._local(), self.remote
+        parts = split_work(plan.entries, 1 + (self._pool_size if plan.nbytes >= 4 << 20 else 0))
+        futures = [self._pool.submit(_copy_all, part, src, dst) for part in parts[1:] if part]
+        try:
+            _copy_all(parts[0], src, dst)
+        finally:
+            for f in futures:
+                f.result()  # bounded: a memory copy; re-raises a worker's error
+
+    def _read_loop(self) -> None:
+        buf = bytearray(HEADER.size)
+        while self._error is None:
+            if not recv_header(self._sock, memoryview(buf), idle_ok=True):
+                oldest = self._inflight[0] if self._inflight else None
+                if oldest is not None and oldest.sent_at is not None and \
+                        time.monotonic() - oldest.sent_at > self._io_timeout:
+                    raise PeerLost(f"{self.name} did not acknowledge within {self._io_timeout}s")
+                continue
+            h = Header.unpack(buf)
+            body = bytearray(min(h.desc_len, 4096))
+            recv_exact(self._sock, memoryview(body))
+            if h.kind is not Kind.REPLY or not self._inflight or self._inflight[0].seq != h.seq:
+                raise ProtocolError(f"{self.name} sent an unexpected reply (seq {h.seq})")
+            job = self._inflight.popleft()
+            if h.code == Status.OK:
+                job.handle.set_done()
+            else:
+                job.handle.set_failed(TransferFailed(
+                    f"{self.name} answered {h.code}: {body.decode(errors='replace')}"))
+            self._forget(job)
+
+    def _fail(self, error: TransportError) -> None:
+        with self._lock:
+            if self._error is not None:
+                return
+            self._error = error
+            jobs = list(self._jobs)
+            self._jobs.clear()
+        for j in jobs:
+            j.handle.set_failed(error)
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._queue.put(None)
+
+    @property
+    def closed(self) -> bool:
+        return self._error is not None
+
+    def close(self) -> None:
+        self._fail(TransportClosed(f"peer {self.name} was closed"))
+        me = threading.current_thread()
+        for t in self._threads:
+            if t is not me:
+                t.join(_JOIN_S)
+        self._sock.close()
+        self.remote = RegionTable()  # unmaps once the last view is gone
+
+
+class ShmTransport(Transport):
+    """Same-host transport. Destinations must be allocated with :meth:`allocate`;
+    sources may be any registered host memory. Options: ``io_timeout`` (default 30 s),
+    ``connect_timeout`` (default 5 s), ``copy_threads`` (threads sharing one transfer's
+    copies, default 2)."""
+
+    name = "shm"
+    capabilities = Capabilities(strided=True, cross_host=False, needs_allocate=True)
+
+    def __init__(self, *, io_timeout: float = 30.0, connect_timeout: float = 5.0,
+                 copy_threads: int = 2) -> None:
+        super().__init__()
+        if io_timeout <= 0 or connect_timeout <= 0 or copy_threads < 1:
+            raise ValueError("shm transport needs positive timeouts and copy_threads >= 1")
+        # helpers beside each peer's copier thread; threads start on first use
+        self._pool_size = copy_threads - 1
+        self._pool = ThreadPoolExecutor(max_workers=max(1, self._pool_size),
+                                        thread_name_prefix="kvh-shm-copy-helper")
+        self._io_timeout, self._connect_timeout = io_timeout, connect_timeout
+        self._token = secrets.token_hex(16)
+        self._arenas = Arenas(self._token[:8])
+        self._lock = threading.Lock()
+        self._server: ShmServer | None = None
+        self._peers: weakref.WeakSet[ShmPeer] = weakref.WeakSet()
+
+    @classmethod
+    def usable(cls) -> Availability:
+        if not hasattr(os, "memfd_create") or not hasattr(socket, "send_fds"):
+            return Availability(False, "needs Linux memfd_create and SCM_RIGHTS (Python 3.9+)")
+        return Availability(True, "built in (same host only)")
+
+    def allocate(self, nbytes: int) -> np.ndarray:
+        self._check_open()
+        buf = self._arenas.allocate(nbytes)
+        self.register(buf)
+        return buf
+
+    def _table(self) -> RegionTable:
+        return self.local
+
+    def endpoint(self) -> bytes:
+        self._check_open()
+        with self._lock:
+            if self._server is None:
+                self._server = ShmServer(f"\0kvhandoff-shm-{self._token}", self._token.encode(),
+                                       self._arenas, self._io_timeout)
+        return json.dumps({"kind": "shm", "v": 1, "host": host_id(),
+                           "address": f"kvhandoff-shm-{self._token}",
+                           "token": self._token}).encode()
+
+    def connect(self, peer_endpoint: bytes) -> ShmPeer:
+        self._check_open()
+        try:
+            ep = json.loads(peer_endpoint)
+            kind, host, address, token = ep["kind"], ep["host"], ep["address"], ep["token"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ConnectError(f"not an shm transport endpoint: {peer_endpoint[:80]!r}") from e
+        if kind != "shm":
+            raise ConnectError(f"endpoint is {kind!r}, not 'shm'")
+        if host != host_id():
+            raise ConnectError("the shm transport only reaches peers on this host "
+                               f"(peer boot id {host}, ours {host_id()}); use tcp")
+        peer = ShmPeer(peer_endpoint, address="\0" + str(address), token=str(token),
+                       io_timeout=self._io_timeout, connect_timeout=self._connect_timeout,
+                       table=self._table, pool=self._pool, pool_size=self._pool_size)
+        with self._lock:
+            if self.closed:
+                peer.close()
+                self._check_open()
+            self._peers.add(peer)
+        return peer
+
+    def submit(self, peer: Peer, plan: Plan) -> Handle:
+        self._check_open()
+        if not isinstance(peer, ShmPeer):
+            raise TypeError(f"shm transport cannot submit to {peer!r}")
+        self.check_sources(plan)
+        return peer.submit(plan)
+
+    def _close(self) -> None:
+        with self._lock:
+            server, self._server = self._server, None
+            peers = list(self._peers)
+        for p in peers:
+            p.close()
+        if server is not None:
+            server.close()
+        self._pool.shutdown(wait=True)
+        self._arenas.close()

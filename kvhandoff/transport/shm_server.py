@@ -1,0 +1,135 @@
+"""The receiving side of the shm transport: hand out arenas, acknowledge commits.
+
+One thread accepts on an abstract Unix socket; one thread serves each connection:
+
+    HELLO (token)  → REPLY OK carrying the arena fds (SCM_RIGHTS) and the allocation
+                     list as JSON, or BAD_TOKEN (and close)
+    WRITE (empty)  → a COMMIT: the sender finished copying one transfer → REPLY OK
+
+The data never passes through this side. A bad frame drops the connection (logged);
+nothing raises out of a serving thread. Idle connections block in ``recv``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import socket
+import threading
+
+from kvhandoff.transport.errors import ProtocolError
+from kvhandoff.transport.shm_arena import Arenas
+from kvhandoff.transport.tcp_io import recv_exact, recv_header
+from kvhandoff.transport.tcp_wire import HEADER, Header, Kind, Status
+
+log = logging.getLogger(__name__)
+
+_JOIN_S = 5.0
+MAX_FDS = 250  # below SCM_MAX_FD (253)
+
+
+class ShmServer:
+    """Accepts peers on an abstract Unix socket; answers HELLO with the arenas and each
+    COMMIT with a REPLY. One thread per connection; a bad frame drops the connection."""
+
+    def __init__(self, address: str, token: bytes, arenas: Arenas, io_timeout: float) -> None:
+        self.address, self.token, self.arenas, self.io_timeout = address, token, arenas, io_timeout
+        self._lock = threading.Lock()
+        self._closing = False
+        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(address)
+        self._listener.listen(64)
+        self._accepter = threading.Thread(target=self._accept_loop, daemon=True,
+                                          name="kvh-shm-accept")
+        self._accepter.start()
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            with self._lock:
+                if self._closing:
+                    conn.close()
+                    return
+                t = threading.Thread(target=self._serve, args=(conn,), daemon=True,
+                                     name="kvh-shm-serve")
+                self._conns[conn] = t
+            t.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(self.io_timeout)
+            self._loop(conn)
+        except (OSError, EOFError) as e:
+            log.debug("shm server: connection ended: %s", e)
+        except ProtocolError as e:
+            log.warning("shm server: dropping connection after a malformed frame: %s", e)
+        except Exception:  # never let a serving thread die silently
+            log.exception("shm server: internal error; connection dropped")
+        finally:
+            with self._lock:
+                self._conns.pop(conn, None)
+            conn.close()
+
+    def _loop(self, conn: socket.socket) -> None:
+        hdr = bytearray(HEADER.size)
+        greeted = False
+        while not self._closing:
+            if not recv_header(conn, memoryview(hdr), idle_ok=True):
+                continue
+            h = Header.unpack(hdr)
+            body = bytearray(min(h.desc_len, 4096))
+            recv_exact(conn, memoryview(body))
+            if h.desc_len > len(body) or h.payload_len:
+                raise ProtocolError("oversized control frame")
+            if h.kind is Kind.HELLO and not greeted:
+                if bytes(body) != self.token:
+                    _reply(conn, h.seq, Status.BAD_TOKEN, b"endpoint token does not match")
+                    raise ProtocolError("HELLO with a wrong token")
+                greeted = True
+                self._send_arenas(conn, h.seq)
+            elif h.kind is Kind.WRITE and greeted:  # COMMIT: the sender finished a copy
+                _reply(conn, h.seq, Status.OK, b"")
+            else:
+                _reply(conn, h.seq, Status.MALFORMED, b"unexpected frame")
+                raise ProtocolError(f"unexpected {h.kind.name} frame")
+
+    def _send_arenas(self, conn: socket.socket, seq: int) -> None:
+        fds, sizes, allocs = self.arenas.snapshot()
+        if len(fds) > MAX_FDS:
+            _reply(conn, seq, Status.INTERNAL, b"too many shared arenas to pass")
+            raise ProtocolError("too many arenas")
+        body = json.dumps({"sizes": sizes, "allocs": [
+            [a.ptr, a.nbytes, a.arena, a.offset] for a in allocs]}).encode()
+        msg = Header(Kind.REPLY, Status.OK, seq, len(body), 0).pack() + body
+        socket.send_fds(conn, [msg[:HEADER.size]], fds)  # fds ride on the header bytes
+        conn.sendall(msg[HEADER.size:])
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            conns = dict(self._conns)
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        for c in conns:
+            with contextlib.suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)
+        self._accepter.join(_JOIN_S)
+        for t in conns.values():
+            t.join(_JOIN_S)
+
+
+
+def _reply(conn: socket.socket, seq: int, status: Status, body: bytes) -> None:
+    conn.sendall(Header(Kind.REPLY, status, seq, len(body), 0).pack() + body)

@@ -1,0 +1,300 @@
+"""The sending side of the tcp transport: one :class:`TcpPeer` per connected endpoint.
+
+A peer holds ``connections`` sockets; each has a sender thread (blocks on its queue)
+and a reader thread (blocks on the socket for replies), so an idle peer uses no CPU.
+
+A submit becomes frames of at most ``frame_bytes`` (see tcp_plan). When there is more
+than one frame, a CHECK frame carrying the plan's whole destination side goes first
+and the data frames are queued only once the receiver accepted it, so a refused write
+writes nothing. Frames go round-robin over the connections; the handle is DONE when
+every frame was acknowledged.
+
+Failure: any socket error, EOF, malformed reply, or a reply that does not come within
+``io_timeout`` of the frame being sent marks the whole peer lost: every pending
+transfer fails with PeerLost, sockets are shut down, threads exit by themselves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import queue
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvhandoff.plan.model import Plan
+from kvhandoff.transport.base import Handle, Peer, TransferState
+from kvhandoff.transport.errors import (
+    ConnectError,
+    PeerLost,
+    ProtocolError,
+    RemoteOutOfBounds,
+    RemoteRefused,
+    TransferFailed,
+    TransportClosed,
+    TransportError,
+)
+from kvhandoff.transport.regions import RegionTable
+from kvhandoff.transport.tcp_data import Sink
+from kvhandoff.transport.tcp_io import recv_exact, recv_header
+from kvhandoff.transport.tcp_plan import Chunk, dst_records, plan_records, split
+from kvhandoff.transport.tcp_wire import FLAG_CHECK, HEADER, Header, Kind, Status
+
+log = logging.getLogger(__name__)
+
+_JOIN_S = 5.0
+
+
+class _Transfer:
+    """One submit: its handle and how many data frames are still unacknowledged."""
+
+    def __init__(self, handle: Handle, frames: list[list[Chunk]]) -> None:
+        self.handle = handle
+        self.frames = frames
+        self.remaining = len(frames)
+        self.lock = threading.Lock()
+
+    def frame_acked(self) -> bool:
+        """Count one acknowledged data frame; True when it was the last."""
+        with self.lock:
+            self.remaining -= 1
+            return self.remaining == 0
+
+
+@dataclass(eq=False)
+class _Frame:
+    transfer: _Transfer
+    desc: bytes
+    payload_len: int
+    chunks: list[Chunk] | None  # dropped once sent
+    check: bool = False  # validate the whole plan, write nothing
+    seq: int = 0
+    sent_at: float | None = None
+
+
+@dataclass(eq=False)
+class _Conn:
+    sock: socket.socket
+    queue: queue.SimpleQueue[_Frame | None] = field(default_factory=queue.SimpleQueue)
+    inflight: deque[_Frame] = field(default_factory=deque)
+    seq: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+    threads: list[threading.Thread] = field(default_factory=list)
+
+
+def _status_error(status: int, message: str, peer: str) -> TransportError:
+    if status == Status.OUT_OF_BOUNDS:
+        return RemoteOutOfBounds(f"{peer} refused the write: {message}")
+    if status == Status.MALFORMED:
+        return ProtocolError(f"{peer} rejected our frame as malformed: {message}")
+    if status == Status.BAD_TOKEN:
+        return ConnectError(f"{peer}: {message}")
+    if status == Status.INTERNAL:
+        return TransferFailed(f"{peer} failed internally: {message}")
+    return RemoteRefused(f"{peer} answered status {status}: {message}")
+
+
+class TcpPeer(Peer):
+    """Thread-safe. Built (and connected) by ``TcpTransport.connect``."""
+
+    def __init__(self, endpoint: bytes, *, host: str, port: int, token: str, connections: int,
+                 frame_bytes: int, io_timeout: float, connect_timeout: float,
+                 table: Callable[[], RegionTable]) -> None:
+        super().__init__(endpoint, f"tcp://{host}:{port}")
+        self._frame_bytes = frame_bytes
+        self._io_timeout = io_timeout
+        self._table = table
+        self._lock = threading.Lock()
+        self._error: TransportError | None = None  # set once: lost or closed
+        self._transfers: set[_Transfer] = set()
+        self._rr = itertools.count()
+        self._conns: list[_Conn] = []
+        try:
+            for _ in range(max(1, connections)):
+                self._conns.append(_Conn(self._dial(host, port, token, connect_timeout)))
+        except BaseException:
+            for c in self._conns:
+                c.sock.close()
+            raise
+        for i, c in enumerate(self._conns):
+            c.threads = [
+                threading.Thread(target=self._guard, args=(self._send_loop, c), daemon=True,
+                                 name=f"kvh-tcp-send-{port}-{i}"),
+                threading.Thread(target=self._guard, args=(self._read_loop, c), daemon=True,
+                                 name=f"kvh-tcp-read-{port}-{i}"),
+            ]
+            for t in c.threads:
+                t.start()
+
+    # --- setup ---------------------------------------------------------------------
+
+    def _dial(self, host: str, port: int, token: str, timeout: float) -> socket.socket:
+        try:
+            sock = socket.create_connection((host, port), timeout=timeout)
+        except OSError as e:
+            raise ConnectError(f"cannot reach tcp transport at {host}:{port}: {e}") from e
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            body = token.encode()
+            sock.sendall(Header(Kind.HELLO, 0, 0, len(body), 0).pack() + body)
+            hdr = bytearray(HEADER.size)
+            recv_exact(sock, memoryview(hdr))
+            h = Header.unpack(hdr)
+            msg = bytearray(min(h.desc_len, 4096))
+            recv_exact(sock, memoryview(msg))
+            if h.kind is not Kind.REPLY or h.code != Status.OK:
+                raise ConnectError(f"{host}:{port} refused the handshake: "
+                                   f"{msg.decode(errors='replace')}")
+            sock.settimeout(self._io_timeout)
+            return sock
+        except (OSError, EOFError, ProtocolError) as e:
+            sock.close()
+            raise ConnectError(f"handshake with {host}:{port} failed: {e}") from e
+        except BaseException:
+            sock.close()
+            raise
+
+    # --- submit --------------------------------------------------------------------
+
+    def submit(self, plan: Plan) -> Handle:
+        """Queue ``plan`` (validated by the transport); returns its handle at once."""
+        frames = split(plan, self._frame_bytes)
+        if not frames:
+            return Handle.completed(peer=self.name)
+        transfer: _Transfer
+        handle = Handle(nbytes=plan.nbytes, peer=self.name,
+                        on_release=lambda h: self._forget(transfer))
+        transfer = _Transfer(handle, frames)
+        with self._lock:
+            if isinstance(self._error, TransportClosed):
+                raise TransportClosed(f"peer {self.name} is closed")
+            if self._error is not None:
+                handle.set_failed(self._error)
+                return handle
+            self._transfers.add(transfer)
+        if len(frames) == 1:
+            self._queue_data(transfer)
+        else:
+            check = _Frame(transfer, plan_records(plan).encode(), 0, None, check=True)
+            self._conns[next(self._rr) % len(self._conns)].queue.put(check)
+        return handle
+
+    def _queue_data(self, transfer: _Transfer) -> None:
+        start = next(self._rr)
+        for i, chunks in enumerate(transfer.frames):
+            frame = _Frame(transfer, dst_records(chunks).encode(),
+                           sum(c.nbytes for c in chunks), chunks)
+            self._conns[(start + i) % len(self._conns)].queue.put(frame)
+        transfer.frames = []  # the frames own their chunks now
+
+    def _forget(self, transfer: _Transfer) -> None:
+        with self._lock:
+            self._transfers.discard(transfer)
+
+    def _finish(self, transfer: _Transfer, error: TransportError | None) -> None:
+        if error is None:
+            transfer.handle.set_done()
+        else:
+            transfer.handle.set_failed(error)
+        self._forget(transfer)
+
+    # --- threads -------------------------------------------------------------------
+
+    def _guard(self, loop: Callable[[_Conn], None], conn: _Conn) -> None:
+        """Run a worker loop; turn whatever ends it into a lost peer (never raise)."""
+        try:
+            loop(conn)
+        except (OSError, EOFError) as e:
+            self._fail(PeerLost(f"lost {self.name}: {type(e).__name__}: {e}"))
+        except TransportError as e:
+            self._fail(e)
+        except Exception as e:
+            log.exception("tcp peer %s: internal error in a worker thread", self.name)
+            self._fail(TransferFailed(f"internal error talking to {self.name}: {e!r}"))
+
+    def _send_loop(self, conn: _Conn) -> None:
+        sink = Sink(conn.sock, min(self._frame_bytes, 8 << 20))
+        while True:
+            frame = conn.queue.get()
+            if frame is None or self._error is not None:
+                return
+            if frame.transfer.handle.state is not TransferState.PENDING:
+                continue  # failed or released meanwhile: do not send
+            frame.seq = next(conn.seq)
+            conn.inflight.append(frame)
+            flags = FLAG_CHECK if frame.check else 0
+            head = Header(Kind.WRITE, flags, frame.seq, len(frame.desc), frame.payload_len)
+            conn.sock.sendall(head.pack() + frame.desc)
+            table = self._table()
+            for c in frame.chunks or ():
+                sink.chunk(c, table)
+            sink.flush()
+            frame.sent_at = time.monotonic()
+            frame.chunks = None  # drop references to plan arrays early
+
+    def _read_loop(self, conn: _Conn) -> None:
+        buf = bytearray(HEADER.size)
+        view = memoryview(buf)
+        while self._error is None:
+            if not recv_header(conn.sock, view, idle_ok=True):
+                oldest = conn.inflight[0] if conn.inflight else None
+                if oldest is not None and oldest.sent_at is not None and \
+                        time.monotonic() - oldest.sent_at > self._io_timeout:
+                    raise PeerLost(f"{self.name} sent no reply within {self._io_timeout}s")
+                continue
+            h = Header.unpack(buf)
+            body = bytearray(min(h.desc_len, 1 << 16))
+            recv_exact(conn.sock, memoryview(body))
+            if h.kind is not Kind.REPLY or h.desc_len > len(body) or h.payload_len:
+                raise ProtocolError(f"{self.name} sent an unexpected {h.kind.name} frame")
+            if not conn.inflight or conn.inflight[0].seq != h.seq:
+                raise ProtocolError(f"{self.name} replied to frame {h.seq}, which is not the "
+                                    f"oldest in flight")
+            frame = conn.inflight.popleft()
+            transfer = frame.transfer
+            if h.code != Status.OK:
+                self._finish(transfer, _status_error(h.code, body.decode(errors="replace"),
+                                                     self.name))
+            elif frame.check:
+                self._queue_data(transfer)  # the receiver accepted the whole plan
+            elif transfer.frame_acked():
+                self._finish(transfer, None)
+
+    # --- failure and close -----------------------------------------------------------
+
+    def _fail(self, error: TransportError) -> None:
+        """Mark the peer unusable: fail all its transfers, wake and end its threads."""
+        with self._lock:
+            if self._error is not None:
+                return
+            self._error = error
+            transfers = list(self._transfers)
+            self._transfers.clear()
+        for t in transfers:
+            t.handle.set_failed(error)
+        for c in self._conns:
+            with contextlib.suppress(OSError):
+                c.sock.shutdown(socket.SHUT_RDWR)
+            c.queue.put(None)
+
+    @property
+    def closed(self) -> bool:
+        return self._error is not None
+
+    @property
+    def error(self) -> TransportError | None:
+        """Why the peer is unusable (lost or closed); None while it works."""
+        return self._error
+
+    def close(self) -> None:
+        self._fail(TransportClosed(f"peer {self.name} was closed"))
+        me = threading.current_thread()
+        for c in self._conns:
+            for t in c.threads:
+                if t is not me:
+                    t.join(_JOIN_S)
+            c.sock.close()

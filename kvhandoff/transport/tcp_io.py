@@ -1,0 +1,105 @@
+"""Blocking socket helpers that move bytes straight between the socket and numpy memory.
+
+Every helper loops until done, raises ``EOFError`` when the peer closed the stream,
+and lets ``OSError`` / ``TimeoutError`` (from the socket's own timeout) propagate:
+the caller maps them to PeerLost. Loops are bounded by the byte count, since every
+iteration moves at least one byte or raises.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import numpy as np
+import numpy.typing as npt
+
+IOV_BATCH = 512  # below IOV_MAX (1024) on Linux
+
+I64 = npt.NDArray[np.int64]
+
+
+def recv_exact(sock: socket.socket, buf: memoryview) -> None:
+    """Fill ``buf`` completely."""
+    while len(buf):
+        n = sock.recv_into(buf)
+        if n == 0:
+            raise EOFError("peer closed the connection")
+        buf = buf[n:]
+
+
+def recv_header(sock: socket.socket, buf: memoryview, idle_ok: bool) -> bool:
+    """Fill ``buf`` (a header). Returns False if the socket timed out before its first
+    byte and ``idle_ok`` (an idle connection, not an error); raises otherwise."""
+    got = 0
+    while got < len(buf):
+        try:
+            n = sock.recv_into(buf[got:])
+        except TimeoutError:
+            if got == 0 and idle_ok:
+                return False
+            raise
+        if n == 0:
+            raise EOFError("peer closed the connection")
+        got += n
+    return True
+
+
+def send_views(sock: socket.socket, views: list[memoryview]) -> None:
+    """Send every view, in order, with as few ``sendmsg`` calls as the kernel allows."""
+    i = 0
+    views = [v for v in views if len(v)]
+    while i < len(views):
+        n = sock.sendmsg(views[i:i + IOV_BATCH])
+        while n and i < len(views):
+            size = len(views[i])
+            if n >= size:
+                n -= size
+                i += 1
+            else:
+                views[i] = views[i][n:]
+                n = 0
+
+
+def recv_views(sock: socket.socket, views: list[memoryview]) -> None:
+    """Fill every view, in order (scatter receive with ``recvmsg_into``)."""
+    i = 0
+    views = [v for v in views if len(v)]
+    while i < len(views):
+        if len(views) - i == 1:
+            recv_exact(sock, views[i])
+            return
+        n = sock.recvmsg_into(views[i:i + IOV_BATCH])[0]
+        if n == 0:
+            raise EOFError("peer closed the connection")
+        while n and i < len(views):
+            size = len(views[i])
+            if n >= size:
+                n -= size
+                i += 1
+            else:
+                views[i] = views[i][n:]
+                n = 0
+
+
+def drain(sock: socket.socket, nbytes: int, scratch: memoryview) -> None:
+    """Read and discard ``nbytes`` (the payload of a refused write)."""
+    while nbytes > 0:
+        part = scratch[:min(nbytes, len(scratch))]
+        recv_exact(sock, part)
+        nbytes -= len(part)
+
+
+def runs(starts: I64, length: int) -> tuple[I64, I64]:
+    """Merge equal-length segments at ``starts`` that touch end to start.
+    Returns (run starts, run lengths)."""
+    if len(starts) < 2:
+        return starts, np.full(len(starts), length, dtype=np.int64)
+    brk = np.flatnonzero(starts[1:] != starts[:-1] + length) + 1
+    first = np.concatenate(([0], brk))
+    sizes = np.diff(np.concatenate((first, [len(starts)]))) * length
+    return starts[first], sizes.astype(np.int64)
+
+
+def slices(mv: memoryview, starts: I64, sizes: I64) -> list[memoryview]:
+    """Memoryviews ``mv[s:s+n]`` for every run."""
+    return [mv[s:s + n] for s, n in zip(starts.tolist(), sizes.tolist(), strict=True)]

@@ -1,0 +1,170 @@
+"""The receiving side of the tcp transport: accept connections, validate, scatter, reply.
+
+One thread accepts; one thread serves each connection, frame after frame:
+
+    HELLO  → check the token (the endpoint's secret) → REPLY OK | BAD_TOKEN (and close)
+    WRITE  → decode records → check payload size → check every record against the
+             registered regions → refused: drain the payload, REPLY OUT_OF_BOUNDS
+             (nothing written) → else scatter the payload → REPLY OK
+
+A malformed frame gets REPLY MALFORMED and the connection is dropped; nothing that
+arrives on the wire can raise out of a serving thread (it is logged and the connection
+dropped). Idle connections block in ``recv`` (no CPU); a frame that stops arriving
+midway is dropped after ``io_timeout``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+from kvhandoff.transport.errors import ProtocolError
+from kvhandoff.transport.regions import RegionTable
+from kvhandoff.transport.tcp_data import scatter
+from kvhandoff.transport.tcp_io import drain, recv_exact, recv_header
+from kvhandoff.transport.tcp_wire import FLAG_CHECK, HEADER, Header, Kind, Records, Status
+
+log = logging.getLogger(__name__)
+
+_JOIN_S = 5.0
+
+
+class TcpServer:
+    """Listens on ``host:port`` (0 = any free port). Thread-safe ``close`` (idempotent)."""
+
+    def __init__(self, *, host: str, port: int, token: str, table: Callable[[], RegionTable],
+                 io_timeout: float, bounce_bytes: int) -> None:
+        self.token = token.encode()
+        self.table = table
+        self._io_timeout = io_timeout
+        self.bounce_bytes = bounce_bytes
+        self._lock = threading.Lock()
+        self._closing = False
+        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._listener = socket.create_server((host, port), backlog=64)
+        self.host, self.port = self._listener.getsockname()[:2]
+        self._accepter = threading.Thread(target=self._accept_loop, daemon=True,
+                                          name=f"kvh-tcp-accept-{self.port}")
+        self._accepter.start()
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, _addr = self._listener.accept()
+            except OSError:
+                return  # listener shut down by close()
+            with self._lock:
+                if self._closing:
+                    conn.close()
+                    return
+                t = threading.Thread(target=self._serve, args=(conn,), daemon=True,
+                                     name=f"kvh-tcp-serve-{self.port}")
+                self._conns[conn] = t
+            t.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(self._io_timeout)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _Connection(conn, self).run()
+        except (OSError, EOFError) as e:
+            log.debug("tcp server: connection ended: %s", e)
+        except ProtocolError as e:
+            log.warning("tcp server: dropping connection after a malformed frame: %s", e)
+        except Exception:  # never let a serving thread die silently
+            log.exception("tcp server: internal error; connection dropped")
+        finally:
+            with self._lock:
+                self._conns.pop(conn, None)
+            conn.close()
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            conns = dict(self._conns)
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes accept() on Linux
+        self._listener.close()
+        for c in conns:
+            with contextlib.suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)  # wakes recv() in the serving thread
+        self._accepter.join(_JOIN_S)
+        for t in conns.values():
+            t.join(_JOIN_S)
+
+
+class _Connection:
+    """One accepted connection's frame loop."""
+
+    def __init__(self, sock: socket.socket, server: TcpServer) -> None:
+        self.sock = sock
+        self.server = server
+        self.hdr = bytearray(HEADER.size)
+        self.bounce = np.empty(server.bounce_bytes, np.uint8)
+        self.greeted = False
+
+    def reply(self, seq: int, status: Status, message: str = "") -> None:
+        body = message.encode()[:4096]
+        self.sock.sendall(Header(Kind.REPLY, status, seq, len(body), 0).pack() + body)
+
+    def run(self) -> None:
+        view = memoryview(self.hdr)
+        while not self.server.closing:
+            if not recv_header(self.sock, view, idle_ok=True):
+                continue  # idle: wake every io_timeout to notice close()
+            try:
+                h = Header.unpack(self.hdr)
+            except ProtocolError as e:
+                self.reply(0, Status.MALFORMED, str(e))
+                raise
+            desc = bytearray(h.desc_len)
+            recv_exact(self.sock, memoryview(desc))
+            if h.kind is Kind.HELLO:
+                self.hello(h, bytes(desc))
+            elif h.kind is Kind.WRITE and self.greeted:
+                self.write(h, desc)
+            else:
+                msg = f"unexpected {h.kind.name} frame" + ("" if self.greeted else " before HELLO")
+                self.reply(h.seq, Status.MALFORMED, msg)
+                raise ProtocolError(msg)
+
+    def hello(self, h: Header, token: bytes) -> None:
+        if token != self.server.token:
+            self.reply(h.seq, Status.BAD_TOKEN, "endpoint token does not match this transport")
+            raise ProtocolError("HELLO with a wrong token")
+        self.greeted = True
+        self.reply(h.seq, Status.OK)
+
+    def write(self, h: Header, desc: bytearray) -> None:
+        check_only = bool(h.code & FLAG_CHECK)
+        try:
+            records = Records.decode(desc)
+            want = 0 if check_only else records.nbytes
+            if h.payload_len != want:
+                raise ProtocolError(f"payload of {h.payload_len} B, records describe {want} B")
+        except ProtocolError as e:
+            self.reply(h.seq, Status.MALFORMED, str(e))
+            raise
+        table = self.server.table()
+        problem = records.problem(table)
+        if problem is not None:
+            drain(self.sock, h.payload_len, self.bounce.data)
+            self.reply(h.seq, Status.OUT_OF_BOUNDS, problem)
+            return
+        if check_only:
+            self.reply(h.seq, Status.OK)
+            return
+        for r in range(len(records)):
+            scatter(self.sock, table, records.record(r), self.bounce)
+        self.reply(h.seq, Status.OK)

@@ -1,0 +1,114 @@
+"""Strided numpy views of one factored piece, and the in-process copy built on them.
+
+A piece ``(off, length, count, stride)`` of a tensor with units of ``unit`` bytes is
+one ``(units, count, length)`` view of the region buffer: ``view[i]`` is unit ``i``'s
+bytes of that piece. Fancy indexing with a unit index array selects every unit at
+once, so no Python loop runs per page or per head row.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+
+import numpy as np
+import numpy.typing as npt
+from numpy.lib.stride_tricks import as_strided
+
+from kvhandoff.plan.model import TensorPlan
+from kvhandoff.transport.regions import U8, RegionTable
+
+I64 = npt.NDArray[np.int64]
+
+
+def piece_view(buf: U8, off: int, unit: int, count: int, stride: int, length: int) -> U8:
+    """``(units, count, length)`` view of ``buf`` (which starts at the tensor's ptr).
+
+    ``units`` is however many whole units fit; callers validated their indices first.
+    A zero ``unit`` (one unit addressed repeatedly) yields a single-unit view."""
+    span = (count - 1) * stride + length if count else 0
+    if len(buf) < off + span:
+        units = 0
+    elif unit == 0:
+        units = 1
+    else:
+        units = (len(buf) - off - span) // unit + 1
+    return as_strided(buf[off:], shape=(units, count, length), strides=(unit, stride, 1),
+                      writeable=True)
+
+
+def unit_contiguous(count: int, stride: int, length: int) -> bool:
+    """Whether one unit's bytes of the piece are one contiguous run."""
+    return count <= 1 or stride == length
+
+
+RUN_MIN = 64 << 10
+"""Runs at least this long are copied one by one (a single copy each); shorter units
+go through a cache-sized temporary in batches (two copies, but both in cache, and one
+numpy call per batch instead of one Python call per unit)."""
+
+TMP_BYTES = 512 << 10
+
+
+def _joint_runs(s_starts: I64, d_starts: I64, size: int) -> tuple[I64, I64, I64]:
+    """Merge consecutive units contiguous on both sides: (src starts, dst starts, sizes)."""
+    if len(s_starts) < 2:
+        return s_starts, d_starts, np.full(len(s_starts), size, np.int64)
+    brk = np.flatnonzero((s_starts[1:] != s_starts[:-1] + size)
+                         | (d_starts[1:] != d_starts[:-1] + size)) + 1
+    first = np.concatenate(([0], brk))
+    sizes = np.diff(np.concatenate((first, [len(s_starts)]))) * size
+    return s_starts[first], d_starts[first], sizes.astype(np.int64)
+
+
+def copy_entry(e: TensorPlan, src: RegionTable, dst: RegionTable) -> int:
+    """Copy one tensor pair between two validated tables; returns bytes copied.
+
+    Not atomic and not locked: the caller validated both sides and owns ordering."""
+    if not e.nbytes:
+        return 0
+    s_buf, d_buf = src.view(e.src_ptr), dst.view(e.dst_ptr)
+    for so, do, ln, cnt, ss, ds in e.pieces.tolist():
+        if not ln or not cnt:
+            continue
+        b = ln * cnt
+        if unit_contiguous(cnt, ss, ln) and unit_contiguous(cnt, ds, ln):
+            s0, d0, sizes = _joint_runs(e.src_idx * e.src_unit + so, e.dst_idx * e.dst_unit + do,
+                                        b)
+            if int(sizes.sum()) >= RUN_MIN * len(sizes):
+                for a, c, n in zip(s0.tolist(), d0.tolist(), sizes.tolist(), strict=True):
+                    d_buf[c:c + n] = s_buf[a:a + n]
+                continue
+        s_view = piece_view(s_buf, so, e.src_unit, cnt, ss, ln)
+        d_view = piece_view(d_buf, do, e.dst_unit, cnt, ds, ln)
+        if b > TMP_BYTES:  # big strided units: one direct strided copy each
+            for si, di in zip(e.src_idx.tolist(), e.dst_idx.tolist(), strict=True):
+                d_view[di] = s_view[si]
+            continue
+        k = TMP_BYTES // b
+        tmp = np.empty(k * b, np.uint8)
+        for a in range(0, len(e.src_idx), k):
+            m = min(k, len(e.src_idx) - a)
+            t3 = tmp[:m * b].reshape(m, cnt, ln)
+            np.take(s_view, e.src_idx[a:a + m], axis=0, out=t3, mode="clip")
+            d_view[e.dst_idx[a:a + m]] = t3
+    return e.nbytes
+
+
+def split_work(entries: tuple[TensorPlan, ...], parts: int, min_bytes: int = 1 << 20
+               ) -> list[list[TensorPlan]]:
+    """Share tensor pairs among ``parts`` workers with about equal bytes each. Pairs of
+    at least ``min_bytes`` with several units are cut by units; the rest go whole to the
+    least loaded worker. Pure; the parts together move exactly ``entries``."""
+    out: list[list[TensorPlan]] = [[] for _ in range(max(1, parts))]
+    load = [0] * len(out)
+    for e in entries:
+        n = len(e.src_idx)
+        cuts = min(len(out), n) if e.nbytes >= min_bytes else 1
+        bounds = [n * k // cuts for k in range(cuts + 1)]
+        for a, z in itertools.pairwise(bounds):
+            i = load.index(min(load))
+            piece = e if cuts == 1 else replace(e, src_idx=e.src_idx[a:z], dst_idx=e.dst_idx[a:z])
+            out[i].append(piece)
+            load[i] += piece.nbytes
+    return out

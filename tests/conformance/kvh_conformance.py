@@ -1,0 +1,151 @@
+"""Helpers for the transport conformance suite (imported by its tests and conftest)."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvhandoff.transport import Peer, Transport, available_transports, create_transport
+from kvhandoff.transport.testing import PlanBuilder, bump, noise, serve_peer
+
+# Short timeouts so fault tests finish quickly; engines not listed use their defaults.
+_SHORT = {"io_timeout": 3.0, "connect_timeout": 3.0}
+OPTIONS: dict[str, dict[str, Any]] = {n: dict(_SHORT) for n in ("tcp", "shm", "mooncake", "nixl")}
+
+_AVAILABLE = available_transports()
+
+
+def params() -> list[Any]:
+    """One pytest param per known transport; unusable ones are skipped with the reason."""
+    out = []
+    for n, (ok, reason) in _AVAILABLE.items():
+        marks = [] if ok else [pytest.mark.skip(reason=f"{n}: {reason}")]
+        out.append(pytest.param(n, marks=marks, id=n))
+    return out
+
+
+def make(name: str, **extra: Any) -> Transport:
+    return create_transport(name, **{**OPTIONS.get(name, {}), **extra})
+
+
+@dataclass
+class Pair:
+    """A sender and a receiver transport in this process.
+
+    Follows the contract's ordering: build plans (which registers memory on both
+    sides) first, then :meth:`connect` (a fresh endpoint, a fresh peer)."""
+
+    sender: Transport
+    receiver: Transport
+    peer: Peer | None = None
+
+    def connect(self) -> Peer:
+        if self.peer is not None:
+            self.peer.close()
+        self.peer = self.sender.connect(self.receiver.endpoint())
+        return self.peer
+
+    def close(self) -> None:
+        if self.peer is not None:
+            self.peer.close()
+
+    def builder(self, seed: int = 0) -> PlanBuilder:
+        def src_alloc(n: int) -> np.ndarray:
+            a = np.empty(n, np.uint8)
+            self.sender.register(a)
+            return a
+
+        def dst_alloc(n: int) -> tuple[int, np.ndarray]:
+            a = self.receiver.allocate(n)
+            a[:] = noise(rng, n)
+            return int(a.ctypes.data), a
+
+        rng = np.random.default_rng(seed)
+        return PlanBuilder(rng, src_alloc, dst_alloc)
+
+
+class RemotePeer:
+    """A receiving transport in a spawned child process (see ``serve_peer``)."""
+
+    def __init__(self, name: str, nbytes: int, seed: int = 7) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=serve_peer,
+                                args=(child, name, OPTIONS.get(name, {}), nbytes, seed),
+                                daemon=True)
+        self.proc.start()
+        child.close()
+        self._closed = False
+        try:
+            if not self.conn.poll(60):
+                raise TimeoutError("child transport did not start within 60 s")
+            self.endpoint, self.base = self.conn.recv()
+        except BaseException:
+            self.kill()
+            raise
+        self.mirror = noise(np.random.default_rng(seed), nbytes)
+
+    def builder(self, sender: Transport, seed: int = 0) -> PlanBuilder:
+        def src_alloc(n: int) -> np.ndarray:
+            a = np.empty(n, np.uint8)
+            sender.register(a)
+            return a
+
+        return PlanBuilder(np.random.default_rng(seed), src_alloc, bump(self.base, self.mirror))
+
+    def buffer(self) -> np.ndarray:
+        self.conn.send("bytes")
+        if not self.conn.poll(60):
+            raise TimeoutError("child did not answer")
+        return np.frombuffer(self.conn.recv_bytes(), np.uint8)
+
+    def kill(self) -> None:
+        """Idempotent; also frees the Process object's pipes (for fd accounting)."""
+        if self._closed:
+            return
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(10)
+        self.conn.close()
+        if not self.proc.is_alive():
+            self.proc.close()
+            self._closed = True
+
+    def stop(self) -> None:
+        os.kill(self.proc.pid or 0, signal.SIGSTOP)  # alive but silent
+
+    def close(self) -> None:
+        if not self._closed and self.proc.is_alive():
+            with contextlib.suppress(OSError):
+                self.conn.send("exit")
+            self.proc.join(10)
+        self.kill()
+
+
+def settle(measure: Callable[[], int], target: int, timeout: float = 5.0) -> int:
+    """Poll ``measure`` until it drops to ``target`` (threads and fds close
+    asynchronously); returns the last value."""
+    deadline = time.monotonic() + timeout
+    value = measure()
+    while value > target and time.monotonic() < deadline:
+        time.sleep(0.02)
+        value = measure()
+    return value
+
+
+def thread_count() -> int:
+    return threading.active_count()
+
+
+def fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))

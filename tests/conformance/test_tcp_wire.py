@@ -1,0 +1,248 @@
+"""The tcp transport's own pieces: wire format, frame splitting, hostile input, options."""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import numpy as np
+import pytest
+from kvh_conformance import Pair, settle, thread_count
+
+from kvhandoff.layout import Region
+from kvhandoff.plan.execute import HostMemory, execute
+from kvhandoff.plan.model import Plan, TensorPlan
+from kvhandoff.transport import ProtocolError, TransferState
+from kvhandoff.transport.regions import RegionTable, raw_view
+from kvhandoff.transport.tcp import TcpTransport
+from kvhandoff.transport.tcp_data import Sink
+from kvhandoff.transport.tcp_plan import split
+from kvhandoff.transport.tcp_wire import HEADER, Header, Kind, Records
+from kvhandoff.transport.testing import KINDS, PlanBuilder
+
+TIMEOUT = 30.0
+
+
+def _builder(seed: int) -> PlanBuilder:
+    def dst(n: int) -> tuple[int, np.ndarray]:
+        a = np.zeros(n, np.uint8)
+        return int(a.ctypes.data), a
+
+    return PlanBuilder(np.random.default_rng(seed), lambda n: np.zeros(n, np.uint8), dst)
+
+
+# --- wire format ---------------------------------------------------------------------
+
+
+def test_header_round_trip_and_rejects() -> None:
+    h = Header(Kind.WRITE, 1, 7, 100, 1 << 31)
+    assert Header.unpack(h.pack()) == h
+    raw = bytearray(h.pack())
+    with pytest.raises(ProtocolError, match="magic"):
+        Header.unpack(b"XXXX" + raw[4:])
+    with pytest.raises(ProtocolError, match="version"):
+        Header.unpack(raw[:4] + struct.pack("<H", 99) + raw[6:])
+    with pytest.raises(ProtocolError, match="kind"):
+        Header.unpack(raw[:6] + struct.pack("<H", 77) + raw[8:])
+    with pytest.raises(ProtocolError, match="too large"):
+        Header.unpack(Header(Kind.WRITE, 0, 0, 1 << 40, 0).pack())
+
+
+def test_records_round_trip_and_rejects() -> None:
+    r = Records.build([(4096, 64, 8, 16, 2, 32), (0, 0, 0, 0, 1, 0)],
+                      [np.array([3, 1, 2]), np.zeros(0, np.int64)])
+    back = Records.decode(r.encode())
+    assert np.array_equal(back.fields, r.fields) and np.array_equal(back.idx, r.idx)
+    assert back.nbytes == 3 * 16 * 2
+    enc = r.encode()
+    for bad in (enc[:5], enc[:-8], enc + b"\0" * 4, struct.pack("<q", -1),
+                struct.pack("<q", 1) + struct.pack("<7q", 0, 0, 0, 1, 1, 0, -1)):
+        with pytest.raises(ProtocolError):
+            Records.decode(bad)
+
+
+def test_records_bounds_check_is_exact() -> None:
+    buf = np.zeros(1000, np.uint8)
+    base = int(buf.ctypes.data)
+    table = RegionTable([(Region(ptr=base, nbytes=1000), raw_view(base, 1000))])
+
+    def rec(ptr: int, unit: int, off: int, ln: int, cnt: int, stride: int, idx: list[int]
+            ) -> Records:
+        return Records.build([(ptr, unit, off, ln, cnt, stride)], [np.array(idx, np.int64)])
+
+    assert rec(base, 100, 0, 100, 1, 0, [0, 9]).problem(table) is None  # up to the last byte
+    assert rec(base, 100, 0, 100, 1, 0, [0, 10]).problem(table) is not None  # one unit past
+    assert rec(base, 100, 1, 100, 1, 0, [9]).problem(table) is not None  # one byte past
+    assert rec(base, 100, 0, 10, 10, 10, [9]).problem(table) is None
+    assert rec(base, 100, 0, 10, 10, 11, [9]).problem(table) is not None  # stride overruns
+    assert rec(base - 1, 100, 1, 10, 1, 0, [0]).problem(table) is not None  # ptr before region
+    assert rec(base, 1 << 40, 0, 1, 1, 0, [1 << 30]).problem(table) is not None  # no overflow
+    assert rec(base, 100, 0, 0, 1, 0, [1 << 30]).problem(table) is None  # moves nothing
+    assert rec(base, 100, 0, 10, 1, 0, [0]).problem(RegionTable()) is not None
+
+
+# --- frame splitting -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("budget", [7, 1000, 4096, 100_000, 4 << 20])
+@pytest.mark.parametrize("kind", ["mixed", "huge", "tiny_many", "mamba_groups"])
+def test_split_frames_cover_the_plan_exactly(kind: str, budget: int) -> None:
+    """Frames respect the budget and, executed chunk by chunk, move exactly the plan."""
+    if budget < 1000 and kind in ("huge", "mixed", "tiny_many"):
+        pytest.skip("millions of tiny frames: slow, and covered by the other budgets")
+    b = _builder(0)
+    p = b.plan(kind)
+    frames = split(p, budget)
+    sizes = [sum(c.nbytes for c in f) for f in frames]
+    assert sum(sizes) == p.nbytes
+    assert all(0 < s <= budget for s in sizes)
+    want = b.expected(p)
+    entries = tuple(
+        TensorPlan(component="c", tensor="t", layer_id=0, src_ptr=c.src_ptr, dst_ptr=c.dst_ptr,
+                   src_unit=c.src_unit, dst_unit=c.dst_unit, src_idx=c.src_idx,
+                   dst_idx=c.dst_idx, pieces=np.array([[c.src_off, c.dst_off, c.length,
+                                                        c.count, c.src_stride, c.dst_stride]]))
+        for f in frames for c in f)
+    execute(Plan(entries=entries), HostMemory(b.srcs), HostMemory([d for _, d in b.dsts]))
+    for (_, got), exp in zip(b.dsts, want, strict=True):
+        assert np.array_equal(got, exp)
+
+
+# --- options that change the data path ------------------------------------------------
+
+
+@pytest.mark.parametrize("opts", [
+    {"frame_bytes": 1000, "connections": 1},  # many frames and sub-pieces, CHECK first
+    {"frame_bytes": 16 << 20, "connections": 3},  # units larger than either bounce buffer
+    {"frame_bytes": 64 << 10, "connections": 4},
+])
+@pytest.mark.parametrize("kind", ["mixed", "huge"])
+def test_tcp_options_stay_byte_exact(opts: dict[str, int], kind: str) -> None:
+    with TcpTransport(**opts) as s, TcpTransport(**opts) as r:
+        pr = Pair(s, r)
+        b = pr.builder(1)
+        p = b.plan(kind)
+        want = b.expected(p)
+        h = s.submit(pr.connect(), p)
+        assert s.wait(h, TIMEOUT) is TransferState.DONE, h.error
+        for (_, got), exp in zip(b.dsts, want, strict=True):
+            assert np.array_equal(got, exp)
+        pr.close()
+
+
+# --- hostile input ---------------------------------------------------------------------
+
+
+def _raw(ep: bytes) -> socket.socket:
+    import json
+
+    e = json.loads(ep)
+    s = socket.create_connection((e["host"], e["port"]), timeout=5)
+    return s
+
+
+def _reply_or_eof(s: socket.socket) -> bytes:
+    """Read until the server closes the connection (it must, after a bad frame)."""
+    out = b""
+    while True:
+        try:
+            part = s.recv(65536)
+        except ConnectionResetError:  # closed with our unread bytes pending: also a drop
+            return out
+        if not part:
+            return out
+        out += part
+
+
+def _hello(ep: bytes) -> bytes:
+    import json
+
+    tok = json.loads(ep)["token"].encode()
+    return Header(Kind.HELLO, 0, 0, len(tok), 0).pack() + tok
+
+
+@pytest.mark.parametrize("payload", [
+    pytest.param(b"garbage" * 10, id="garbage"),
+    pytest.param(b"KVHT" + b"\xff" * 40, id="bad-version"),
+    "bad token",
+    "write before hello",
+    "size mismatch",
+    "bad records",
+    "reply kind",
+    "truncated",
+])
+def test_malformed_frames_drop_the_connection_not_the_server(payload: bytes | str) -> None:
+    with TcpTransport(io_timeout=2.0) as r, TcpTransport() as s:
+        dst = r.allocate(1 << 16)
+        ep = r.endpoint()
+        threads0 = thread_count()
+        good = Records.build([(int(dst.ctypes.data), 4096, 0, 4096, 1, 4096)],
+                             [np.array([1])]).encode()
+        frames = {
+            "bad token": Header(Kind.HELLO, 0, 0, 3, 0).pack() + b"abc",
+            "write before hello": Header(Kind.WRITE, 0, 1, len(good), 4096).pack() + good,
+            "size mismatch": _hello(ep) + Header(Kind.WRITE, 0, 1, len(good), 10).pack() + good,
+            "bad records": _hello(ep) + Header(Kind.WRITE, 0, 1, 9, 0).pack() + b"\x01" * 9,
+            "reply kind": _hello(ep) + Header(Kind.REPLY, 0, 1, 0, 0).pack(),
+            "truncated": _hello(ep) + Header(Kind.WRITE, 0, 1, len(good), 4096).pack() + good
+            + b"\0" * 100,
+        }
+        raw = frames.get(payload, payload) if isinstance(payload, str) else payload
+        assert isinstance(raw, bytes)
+        sock = _raw(ep)
+        sock.sendall(raw)
+        if payload == "truncated":
+            sock.shutdown(socket.SHUT_WR)  # the sender vanishes mid-payload
+        answer = _reply_or_eof(sock)
+        sock.close()
+        if answer:
+            assert answer.startswith(b"KVHT")
+        assert not dst.any() or payload == "truncated"
+        # the server still serves a well-behaved client
+        src = np.full(4096, 7, np.uint8)
+        s.register(src)
+        p = Plan(entries=(TensorPlan(
+            component="c", tensor="t", layer_id=0, src_ptr=int(src.ctypes.data),
+            dst_ptr=int(dst.ctypes.data), src_unit=4096, dst_unit=4096,
+            src_idx=np.array([0]), dst_idx=np.array([2]),
+            pieces=np.array([[0, 0, 4096, 1, 4096, 4096]])),))
+        peer = s.connect(ep)
+        h = s.submit(peer, p)
+        assert s.wait(h, TIMEOUT) is TransferState.DONE, h.error
+        assert (dst[8192:12288] == 7).all()
+        peer.close()
+        assert settle(thread_count, threads0) <= threads0
+
+
+def test_header_size_is_fixed() -> None:
+    assert HEADER.size == 36
+
+
+def test_all_plan_kinds_are_known() -> None:
+    b = _builder(0)
+    for k in KINDS:
+        b.plan(k)
+    with pytest.raises(ValueError):
+        b.plan("nope")
+
+
+def test_sink_batches_gathers_and_flushes_when_full() -> None:
+    """Small gathered chunks share the bounce buffer; one that does not fit flushes it.
+    The byte stream is the chunks' bytes in order (unit, row, byte)."""
+    src = np.arange(6000, dtype=np.uint8)
+    base = int(src.ctypes.data)
+    table = RegionTable([(Region(ptr=base, nbytes=len(src)), raw_view(base, len(src)))])
+    e = TensorPlan(component="c", tensor="t", layer_id=0, src_ptr=base, dst_ptr=0,
+                   src_unit=1000, dst_unit=1000, src_idx=np.array([4, 0, 2]),
+                   dst_idx=np.array([0, 1, 2]), pieces=np.array([[0, 0, 100, 3, 200, 100]]))
+    chunks = [c for f in split(Plan(entries=(e, e)), 1 << 20) for c in f]
+    a, b = socket.socketpair()
+    with a, b:
+        sink = Sink(a, bounce_bytes=1000)  # 900 B per chunk: the second one must flush
+        for c in chunks:
+            sink.chunk(c, table)
+        sink.flush()
+        a.shutdown(socket.SHUT_WR)
+        got = _reply_or_eof(b)
+    rows = [src[u * 1000 + r * 200:u * 1000 + r * 200 + 100] for u in (4, 0, 2) for r in range(3)]
+    assert got == np.concatenate(rows * 2).tobytes()
