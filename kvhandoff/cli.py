@@ -24,6 +24,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--page-size", type=int, default=64)
     demo.add_argument("--json", metavar="PATH", help="also write the summary as JSON")
 
+    boot = sub.add_parser("bootstrap", help="run the bootstrap (rendezvous) server")
+    boot.add_argument("--host", default="0.0.0.0", help="address to bind (default 0.0.0.0)")
+    boot.add_argument("--port", type=int, default=8998, help="port to bind (default 8998)")
+
     args = parser.parse_args(argv)
     if args.version:
         from kvhandoff import __version__
@@ -34,6 +38,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvhandoff.demo import run_demo
 
         return run_demo(args)
+    if args.command == "bootstrap":
+        from kvhandoff.session.bootstrap import serve
+
+        return serve(args.host, args.port)
     parser.print_help()
     return 0
 
