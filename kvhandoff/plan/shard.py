@@ -30,13 +30,16 @@ class Side:
     tp_size: int
 
 
-def elect(replicas: int, replica: int, dst_tp_rank: int) -> bool:
+def elect(replicas: int, replica: int, dst: Side, src_tp_size: int) -> bool:
     """Exactly one of ``replicas`` identical sources writes for a destination rank.
 
-    The writer is ``dst_tp_rank % replicas``, so destination ranks spread their
-    reads over the replicas and equal-TP pairs keep the identity mapping.
+    The writer is the replica of the first source rank in the destination rank's
+    own TP window (``dst_rank * src_tp // dst_tp``): a decode rank then reads
+    replicated bytes from a prefill rank it already reads sharded bytes from (no
+    extra peer just for an aux row), equal-TP pairs keep the identity mapping, and
+    destination ranks spread their reads over the replicas.
     """
-    return replica == dst_tp_rank % replicas
+    return replica == (dst.tp_rank * src_tp_size // dst.tp_size) % replicas
 
 
 def pieces(src: Side, dst: Side) -> np.ndarray:
@@ -47,7 +50,7 @@ def pieces(src: Side, dst: Side) -> np.ndarray:
     describe the same global geometry (checked at pairing time).
     """
     if src.shard is None or dst.shard is None:
-        if not elect(src.tp_size, src.tp_rank, dst.tp_rank):
+        if not elect(src.tp_size, src.tp_rank, dst, src.tp_size):
             return NO_PIECES
         n = src.unit_bytes
         return _frozen([[0, 0, n, 1, n, n]])
@@ -60,7 +63,7 @@ def pieces(src: Side, dst: Side) -> np.ndarray:
     s_base = d_base = 0
     for s, d in zip(s_ranges, d_ranges, strict=True):
         lo, hi = max(s.start, d.start), min(s.start + s.length, d.start + d.length)
-        if lo < hi and elect(s.replicas, s.replica, dst.tp_rank):
+        if lo < hi and elect(s.replicas, s.replica, dst, src.tp_size):
             rows.append([
                 s_base + (lo - s.start) * inner, d_base + (lo - d.start) * inner,
                 (hi - lo) * inner, src.outer, s_row, d_row,

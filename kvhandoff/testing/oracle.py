@@ -15,9 +15,11 @@ Semantics implemented (the contract the planner is checked against):
   ``rows`` and no first-row offsets. TOKEN tensors otherwise move token rows of
   the concatenated pages; RING tensors with different ring sizes move the row of
   every logical position (``p % rows``) on each side.
-* Replicated tensors are written by source rank ``dst.tp_rank % src.tp_size``.
+* Replicated tensors are written by source rank ``dst.tp_rank * src.tp_size // dst.tp_size``
+  (the first source rank of the decode rank's own TP window).
   Sharded tensors: every destination element comes from the source rank holding
-  it; among replicas, from replica ``dst.tp_rank % replicas``.
+  it; among replicas (in rank order), from replica
+  ``(dst.tp_rank * src.tp_size // dst.tp_size) % replicas``.
 
 Only layout *data* is used (fields of the records); no planner module is imported.
 """
@@ -289,11 +291,12 @@ def _unit_pattern(st: TensorSpec, dt: TensorSpec, src: Layout, dst: Layout,
 
 def _replicated_pattern(st: TensorSpec, dt: TensorSpec, src: Layout, dst: Layout,
                         per_row: bool) -> tuple[I64, I64]:
-    """Every byte of the unit, from the one source rank ``dst.tp_rank % src.tp_size``."""
+    """Every byte of the unit, from the one source rank at the start of the decode rank's
+    TP window, ``dst.tp_rank * src.tp_size // dst.tp_size``."""
     size = st.row_bytes if per_row else st.item_bytes
     if size != (dt.row_bytes if per_row else dt.item_bytes):
         raise LayoutMismatch(f"tensor {dt.key}: replicated units of different sizes")
-    if src.tp_rank != dst.tp_rank % src.tp_size:
+    if src.tp_rank != dst.tp_rank * src.tp_size // dst.tp_size:
         size = 0
     off = np.arange(size, dtype=np.int64)
     return off, off.copy()
@@ -318,12 +321,12 @@ def _local_index(groups: tuple[int, ...], tp: int, rank: int, j: int, a: int) ->
     return before + a - _held(groups[j], tp, rank).start
 
 
-def _writer(g: int, a: int, src_tp: int, dst_rank: int) -> int:
+def _writer(g: int, a: int, src_tp: int, dst_rank: int, dst_tp: int) -> int:
     """The source rank that writes element ``a`` of a group of length ``g``:
     the one holding it, or among several holders (replicas, in rank order)
-    replica ``dst_rank % replicas``."""
+    replica ``(dst_rank * src_tp // dst_tp) % replicas``."""
     holders = [r for r in range(src_tp) if a in _held(g, src_tp, r)]
-    return holders[dst_rank % len(holders)]
+    return holders[(dst_rank * src_tp // dst_tp) % len(holders)]
 
 
 def _sharded_pattern(st: TensorSpec, dt: TensorSpec, ss: ShardSpec, ds: ShardSpec,
@@ -342,7 +345,7 @@ def _sharded_pattern(st: TensorSpec, dt: TensorSpec, ss: ShardSpec, ds: ShardSpe
     for o in range(outer):
         for j, g in enumerate(groups):
             for a in _held(g, dst.tp_size, dst.tp_rank):
-                if _writer(g, a, src.tp_size, dst.tp_rank) != src.tp_rank:
+                if _writer(g, a, src.tp_size, dst.tp_rank, dst.tp_size) != src.tp_rank:
                     continue
                 s_el = o * s_axis + _local_index(groups, src.tp_size, src.tp_rank, j, a)
                 d_el = o * d_axis + _local_index(groups, dst.tp_size, dst.tp_rank, j, a)

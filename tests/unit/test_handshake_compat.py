@@ -141,7 +141,7 @@ def test_a_compatible_hello_is_acked_with_the_planner_writes_bit(d: int) -> None
     reply = answer_hello(hello(theirs), layout=mine, transport="tcp", rank=PREFILL)
     assert isinstance(reply, HelloAck)
     assert reply.writes is writes(mine, theirs)
-    assert reply.writes is (d != 0)  # decode 0 reads its head and aux from prefill 0 only
+    assert reply.writes is (d >= 2)  # decode d reads its head and aux from prefill d // 2
     assert (reply.rank, reply.layout_signature) == (PREFILL, mine.signature)
 
 

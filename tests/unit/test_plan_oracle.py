@@ -471,7 +471,7 @@ def test_exact_length_mismatch_raises(data: st.DataObject, typ: StateType,
     with pytest.raises(IndexLengthMismatch):
         expected_writes([r.layout for r in srcs], dst.layout, case.request)
     # The rank that writes the replicated tensor; the others are checked below.
-    writer = srcs[case.dst_rank % tp[SRC]]
+    writer = srcs[case.dst_rank * tp[SRC] // tp[DST]]
     with pytest.raises(IndexLengthMismatch):
         plan(writer.layout, dst.layout, case.request)
 
@@ -572,12 +572,12 @@ def test_mha_tp1_to_tp2() -> None:
 @pytest.mark.parametrize("dst_rank", [0, 1])
 def test_gqa_tp8_to_tp2(dst_rank: int) -> None:
     """4 KV heads over prefill TP 8: head h lives on ranks 2h and 2h+1. Decode rank r
-    holds heads 2r, 2r+1 and takes each from replica ``r % 2``."""
+    holds heads 2r, 2r+1 and takes each from replica ``(r * 8 // 2) % 2`` = 0."""
     srcs, dst, _ = run_case(kv_case((8, 2), heads=4, dst_rank=dst_rank))
     s = [tensor_bytes(r, "kv", "k").reshape(4, 2, 1, 2) for r in srcs]
     d = tensor_bytes(dst, "kv", "k").reshape(4, 2, 2, 2)
     for local, head in enumerate((2 * dst_rank, 2 * dst_rank + 1)):
-        writer = 2 * head + dst_rank % 2
+        writer = 2 * head + (dst_rank * 8 // 2) % 2
         for sp, dp in ((1, 2), (3, 0), (0, 3)):
             np.testing.assert_array_equal(d[dp, :, local], s[writer][sp, :, 0])
 

@@ -116,31 +116,32 @@ def test_equal_tp_is_the_identity() -> None:
 
 def test_more_decode_ranks_read_the_prefill_rank_that_holds_their_heads() -> None:
     # qwen3_next tiny: 2 KV heads. Decode rank d of 4 holds head d // 2, which prefill rank
-    # d // 2 of 2 holds; the replicated aux row is spread: decode d takes it from d % 2.
-    assert [writer_ranks("qwen3_next", 2, 4, d) for d in range(4)] == [[0], [0, 1], [0, 1], [1]]
-    assert expected_inits(layout("qwen3_next", 0, 2), dst_tp_size=4, dst_pp_size=1) == 3
+    # d // 2 of 2 holds; the replicated aux row comes from that same rank (the first of the
+    # decode rank's TP window), so no decode rank needs an extra peer for it.
+    assert [writer_ranks("qwen3_next", 2, 4, d) for d in range(4)] == [[0], [0], [1], [1]]
+    assert expected_inits(layout("qwen3_next", 0, 2), dst_tp_size=4, dst_pp_size=1) == 2
 
 
 def test_fewer_decode_ranks_gather_from_every_shard() -> None:
-    assert [writer_ranks("qwen3_next", 4, 2, d) for d in range(2)] == [[0, 1], [1, 2, 3]]
+    assert [writer_ranks("qwen3_next", 4, 2, d) for d in range(2)] == [[0, 1], [2, 3]]
     assert [writer_ranks("gqa4", 2, 1, 0)] == [[0, 1]]
 
 
 def test_gqa_replicas_elect_one_writer_per_head() -> None:
-    # 4 KV heads over prefill TP 8: ranks 2h and 2h+1 both hold head h. Decode rank 0 of 2
-    # (heads 0, 1) takes replica 0 of each: ranks 0 and 2; decode rank 1 (heads 2, 3) takes
-    # replica 1: ranks 5 and 7, plus its aux row from rank 1.
+    # 4 KV heads over prefill TP 8: ranks 2h and 2h+1 both hold head h. Decode rank d of 2
+    # (heads 2d, 2d+1) takes the replica of its window's first rank (4d): replica 0, i.e.
+    # ranks 0 and 2 for decode 0, ranks 4 and 6 (and its aux row from 4) for decode 1.
     assert writer_ranks("gqa4", 8, 2, 0) == [0, 2]
-    assert writer_ranks("gqa4", 8, 2, 1) == [1, 5, 7]
+    assert writer_ranks("gqa4", 8, 2, 1) == [4, 6]
     idle = [t for t in range(8)
             if not expected_inits(layout("gqa4", t, 8), dst_tp_size=2, dst_pp_size=1)]
-    assert idle == [3, 4, 6]  # dummy ranks: nothing to write, success at once
+    assert idle == [1, 3, 5, 7]  # dummy ranks: nothing to write, success at once
 
 
 def test_replicated_mla_has_one_writer_per_decode_rank() -> None:
     for tp, td in TP_PAIRS:
         for d in range(td):
-            assert writer_ranks("deepseek_v32", tp, td, d) == [d % tp]
+            assert writer_ranks("deepseek_v32", tp, td, d) == [d * tp // td]
 
 
 def test_pp_prefill_to_pp1_decode_needs_every_stage() -> None:
@@ -167,7 +168,7 @@ def test_tp_candidates_cover_the_tp_range_intersection(tp: int, td: int) -> None
         assert list(got) == sorted(set(got))
         overlap = [p for p in range(tp) if p * td < (d + 1) * tp and d * tp < (p + 1) * td]
         assert set(overlap) <= set(got)
-        assert d % tp in got  # the elected writer of replicated tensors
+        assert d * tp // td in got  # the elected writer of replicated tensors
 
 
 def test_tp_candidates_exact_values() -> None:
@@ -176,8 +177,8 @@ def test_tp_candidates_exact_values() -> None:
     assert c(1, 0, 1) == (0,)
     assert [c(1, d, 2) for d in range(2)] == [(0,), (0,)]
     assert c(2, 0, 1) == (0, 1)
-    assert [c(2, d, 4) for d in range(4)] == [(0,), (0, 1), (0, 1), (1,)]
-    assert c(8, 1, 2) == (1, 4, 5, 6, 7)
+    assert [c(2, d, 4) for d in range(4)] == [(0,), (0,), (1,), (1,)]
+    assert c(8, 1, 2) == (4, 5, 6, 7)
 
 
 def test_pp_stages() -> None:
