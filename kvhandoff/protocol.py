@@ -188,6 +188,43 @@ class IndexListMsg(_Record, frozen=True):
         )
 
 
+class PlannedIndicesMsg(_Record, frozen=True):
+    """One component's planner input for one chunk exactly as prefill planned it: both
+    sides' packed items and the row fields of :class:`~kvhandoff.plan.request.Indices`.
+
+    Sent back with checksums so decode can rebuild the same plan and read the destination
+    bytes in the same order (:mod:`kvhandoff.session.checksum`)."""
+
+    src: bytes
+    dst: bytes
+    src_first_row: NonNeg = 0
+    dst_first_row: NonNeg = 0
+    num_rows: NonNeg | None = None
+    positions: bytes | None = None
+
+    def __post_init__(self) -> None:
+        for b in (self.src, self.dst, self.positions or b""):
+            if len(b) % 8:
+                raise ValueError("packed index bytes must be a whole number of int64 entries")
+
+    @classmethod
+    def of(cls, idx: Indices) -> PlannedIndicesMsg:
+        return cls(
+            src=pack_indices(idx.src), dst=pack_indices(idx.dst),
+            src_first_row=idx.src_first_row, dst_first_row=idx.dst_first_row,
+            num_rows=idx.num_rows,
+            positions=None if idx.positions is None else pack_indices(idx.positions),
+        )
+
+    def to_indices(self) -> Indices:
+        pos = None if self.positions is None else unpack_indices(self.positions, "positions")
+        return Indices(
+            unpack_indices(self.src, "src"), unpack_indices(self.dst, "dst"),
+            src_first_row=self.src_first_row, dst_first_row=self.dst_first_row,
+            num_rows=self.num_rows, positions=pos,
+        )
+
+
 # ---------------------------------------------------------------------------------------
 # Layouts
 
@@ -324,12 +361,15 @@ class HelloAck(_Msg, frozen=True):
 
     ``writes``: whether this prefill rank writes any byte into the decode rank (the
     planner decides; see :mod:`kvhandoff.session.ranks`). Decode sends
-    :class:`TransferInit` to, and waits for :class:`TransferStatus` from, writers only."""
+    :class:`TransferInit` to, and waits for :class:`TransferStatus` from, every
+    handshaken candidate: a non-writer validates the request and reports success without
+    writing, so every prefill rank of the request learns its outcome."""
 
     protocol_version: int
     rank: RankId  # the prefill rank
     layout_signature: str
     writes: bool
+    layout: LayoutMsg | None = None  # the prefill rank's layout (decode rebuilds plans from it)
 
 
 class HelloReject(_Msg, frozen=True):
@@ -369,7 +409,9 @@ class TransferStatus(_Msg, frozen=True):
 
     ``last`` marks the final chunk (it carries state and aux and may carry no KV).
     ``nbytes``: bytes this rank wrote for the chunk. ``checksums``: per component name,
-    a digest of the bytes written, when the TransferInit asked for them."""
+    a digest of the bytes written, when the TransferInit asked for them; ``indices`` then
+    holds each checksummed component's planner input, so decode can rebuild the plan and
+    digest the destination bytes in the same order."""
 
     request_id: RequestId
     rank: RankId  # the prefill rank
@@ -379,6 +421,7 @@ class TransferStatus(_Msg, frozen=True):
     reason: str = ""
     nbytes: NonNeg = 0
     checksums: dict[str, int] | None = None
+    indices: dict[str, PlannedIndicesMsg] | None = None  # the plan's input, with checksums
 
     def __post_init__(self) -> None:
         if self.outcome is Outcome.FAILED and not self.reason:

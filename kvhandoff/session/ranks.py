@@ -133,6 +133,28 @@ def bootstrap_peers(
     return tuple(RankKey(dp_rank, tp, pp) for pp in stages for tp in tps)
 
 
+def decode_candidates(*, src_tp_rank: int, src_tp_size: int, src_pp_rank: int,
+                      src_pp_size: int, dst_tp_size: int, dst_pp_size: int
+                      ) -> tuple[tuple[int, int], ...]:
+    """The decode ranks ``(tp_rank, pp_rank)`` whose :func:`bootstrap_peers` include this
+    prefill rank: the mirror image of that function, from sizes only. These are the
+    decode ranks that send this prefill rank a ``TransferInit`` per request (writer or
+    not), so it is how many a prefill rank waits for. Raises :class:`LayoutMismatch`
+    for an unsupported PP pair."""
+    _check_rank("prefill TP", src_tp_rank, src_tp_size)
+    _check_rank("prefill PP", src_pp_rank, src_pp_size)
+    _check_pp(src_pp_size, dst_pp_size)
+    out = []
+    for dpp in range(dst_pp_size):
+        if src_pp_rank not in pp_stages(src_pp_size=src_pp_size, dst_pp_rank=dpp,
+                                        dst_pp_size=dst_pp_size):
+            continue
+        out += [(d, dpp) for d in range(dst_tp_size)
+                if src_tp_rank in tp_candidates(src_tp_size=src_tp_size, dst_tp_rank=d,
+                                                dst_tp_size=dst_tp_size)]
+    return tuple(out)
+
+
 # ---------------------------------------------------------------------------------------
 # From the planner
 

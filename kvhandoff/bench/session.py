@@ -1,0 +1,437 @@
+"""Session benchmark: whole handoffs between a prefill and a decode process, loopback tcp.
+
+Both sides run in spawned processes with a real bootstrap server and real control
+sockets (the same code path as serving). Measured, with the machine's own reference
+taken in the same run:
+
+Runs over loopback tcp by default (``--transport`` picks another).
+
+* **latency** — a tiny request (1 KV page in each of 8 attention layers and one Mamba
+  slot, plus the aux row), one at a time. *handoff*: from prefill's last ``send`` (its
+  decode indices already in) to decode's ``SUCCESS``; *round trip*: from decode creating
+  the ``Receiver`` to ``SUCCESS`` (indices to prefill, write, status back). p50 / p90 /
+  p99. Goal: handoff p50 ≤ 1 ms. Reference: one raw tcp transport write of the same plan.
+* **throughput** — 64 such requests at once, repeated: handoffs/s, next to the raw tcp
+  transport's requests/s for the same 64 plans (submitted together, waited together).
+* **big** — one hybrid request of ~64 MiB (16 layers: 12 GDN with their SSM/conv state,
+  4 attention layers of KV) in one chunk: session handoff time next to the bare
+  transport time for the same plan, alternating (each session handoff is followed by a
+  raw write, so both see the same interference); the ratio is the median of the pairs'
+  ratios. Goal: ≤ 1.1×.
+
+    kvhandoff bench session [--json PATH] [--quick]
+
+Writes JSON (default ``benchmarks/results/session.json``) and a PNG next to it. Measures
+only; the test suite asserts correctness.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import sys
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvhandoff import shapes
+from kvhandoff.layout import Layout
+from kvhandoff.plan import Plan, plan
+from kvhandoff.protocol import layout_from_msg, layout_to_msg
+from kvhandoff.session import Agent, Receiver, Sender, SessionConfig, Status
+from kvhandoff.session.bootstrap import BootstrapServer
+from kvhandoff.shapes import LayerKind
+from kvhandoff.transport import Peer, TransferState, Transport, create_transport
+
+DEFAULT_JSON = Path("benchmarks") / "results" / "session.json"
+TIMEOUT = 120.0
+CONCURRENT = 64
+
+
+def tiny_shape() -> shapes.ModelShape:
+    """8 attention layers (1 KV page each per request) and one GDN layer (one Mamba slot)."""
+    base = shapes.tiny(shapes.get("qwen3_next"))
+    return dataclasses.replace(base, name="bench_tiny",
+                               layers=(LayerKind.ATTN,) * 8 + (LayerKind.GDN,))
+
+
+def big_shape() -> shapes.ModelShape:
+    """A Qwen3-Next-like hybrid: 12 GDN + 4 attention layers; ~12 MiB of state per request
+    and 4 KiB of KV per token."""
+    return dataclasses.replace(
+        shapes.get("qwen3_next"), name="bench_hybrid",
+        layers=(LayerKind.GDN, LayerKind.GDN, LayerKind.GDN, LayerKind.ATTN) * 4,
+        kv_heads=2, head_dim=128, linear_k_heads=16, linear_k_dim=128, linear_v_heads=16,
+        linear_v_dim=128)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    shape: str  # "tiny" or "big"
+    page: int
+    tokens: int
+    pages: int
+    slots: int
+
+
+def _shape(name: str) -> shapes.ModelShape:
+    return tiny_shape() if name == "tiny" else big_shape()
+
+
+def _layout(case: Case, seed: int) -> tuple[Layout, list[np.ndarray]]:
+    bufs: list[np.ndarray] = []
+
+    def alloc(n: int) -> int:
+        b = np.random.default_rng([seed, len(bufs)]).integers(0, 256, n, dtype=np.uint8)
+        bufs.append(b)
+        return int(b.ctypes.data)
+
+    lay = shapes.layout_for(_shape(case.shape), tp_rank=0, tp_size=1, page_size=case.page,
+                            num_pages=case.pages, num_slots=case.slots, alloc=alloc)
+    return lay, bufs
+
+
+def _request(case: Case, src: Layout, dst: Layout, i: int) -> dict[str, Any]:
+    """Request ``i``: its own pages (block i) and slot ``i + 1`` on both sides."""
+    req = shapes.request_for(_shape(case.shape), src, dst, case.tokens, contiguous=True,
+                             src_slot=i + 1, dst_slot=i + 1)
+    per = -(-case.tokens // case.page)
+    out: dict[str, Any] = {}
+    for name, idx in req.items():
+        if name == "kv" and idx is not None:
+            idx = type(idx)(idx.src + i * per, idx.dst + i * per)
+        out[name] = idx
+    return out
+
+
+def _config(instance: str, transport: str) -> SessionConfig:
+    return SessionConfig.from_env({}, instance=instance, transport=transport,
+                                  transfer_timeout=TIMEOUT,
+                                  waiting_timeout=TIMEOUT, indices_timeout=TIMEOUT,
+                                  bootstrap_timeout=30.0, heartbeat_interval=1.0,
+                                  heartbeat_timeout=30.0)
+
+
+# ---------------------------------------------------------------------------------------
+# The two processes
+
+
+def _prefill(conn: Connection, url: str, transport: str) -> None:
+    for _ in range(100):
+        cmd = conn.recv()
+        if cmd[0] == "exit":
+            return
+        _, phase, case, n, rounds, dst_msg = cmd
+        src, bufs = _layout(case, 1)
+        dst = layout_from_msg(dst_msg)
+        with Agent.prefill(src, bootstrap_url=url,
+                           config=_config(f"bench-{phase}", transport)) as agent, \
+                create_transport(transport) as raw:
+            raw.register(src)
+            conn.send(("ready",))
+            peer = raw.connect(conn.recv())  # decode's raw receiver
+            count = n if phase == "throughput" else 1
+            plans = [plan(src, dst, _request(case, src, dst, i)) for i in range(count)]
+            for _ in range(3):  # warm the raw connection up
+                _raw_once(raw, peer, plans)
+            if phase == "throughput":
+                _prefill_rounds(conn, agent, raw, peer, plans, case, src, dst, n, rounds)
+            else:
+                conn.send(_prefill_one_by_one(agent, raw, peer, plans, case, src, dst, n,
+                                              interleave=phase == "big"))
+            peer.close()
+            conn.recv()  # decode is done: close
+        del bufs
+
+
+def _send_all(s: Sender, req: dict[str, Any], src: Layout) -> None:
+    state = {c.name: req[c.name].src for c in src.components if c.name not in ("kv", "aux")}
+    s.send(req["kv"].src, state_indices=state, last=True)
+
+
+def _raw_once(t: Transport, peer: Peer, plans: list[Plan]) -> float:
+    """The bare transport moving the same plans, all submitted, then all waited for."""
+    t0 = time.perf_counter()
+    hs = [t.submit(peer, p) for p in plans]
+    for h in hs:
+        if t.wait(h, TIMEOUT) is not TransferState.DONE:
+            raise RuntimeError(f"raw transfer failed: {h.error}")
+        h.release()
+    return time.perf_counter() - t0
+
+
+def _prefill_one_by_one(agent: Agent, raw: Transport, peer: Peer, plans: list[Plan],
+                        case: Case, src: Layout, dst: Layout, n: int, *, interleave: bool
+                        ) -> tuple[list[float], list[float]]:
+    """Per request: wait for decode's indices, then stamp t0 and send the last chunk.
+    Raw writes of the same plan either follow each request (``interleave``: both see the
+    same interference) or run after the loop."""
+    t0s, raws = [], []
+    for i in range(n):
+        req = _request(case, src, dst, i % (case.slots - 1))
+        s = Sender(agent, i)
+        s.init(len(req["kv"].src), int(req["aux"].src[0]))
+        s.wait_bootstrapped(TIMEOUT)
+        t0s.append(time.perf_counter())
+        _send_all(s, req, src)
+        s.wait(TIMEOUT)
+        if interleave:
+            raws.append(_raw_once(raw, peer, plans))
+    if not interleave:
+        raws = [_raw_once(raw, peer, plans) for _ in range(min(n, 200))]
+    return t0s, raws
+
+
+def _prefill_rounds(conn: Connection, agent: Agent, raw: Transport, peer: Peer,
+                    plans: list[Plan], case: Case, src: Layout, dst: Layout, n: int,
+                    rounds: int) -> None:
+    """Each round on the parent's signal: n requests at once, then the raw n plans."""
+    for r in range(rounds):
+        conn.recv()  # go
+        senders = []
+        for i in range(n):
+            req = _request(case, src, dst, i)
+            s = Sender(agent, r * n + i)
+            s.init(len(req["kv"].src), int(req["aux"].src[0]))
+            _send_all(s, req, src)  # queued until decode's indices arrive
+            senders.append(s)
+        bad = [str(s.reason) for s in senders if s.wait(TIMEOUT) is not Status.SUCCESS]
+        conn.send(bad)
+        conn.recv()  # raw
+        conn.send(_raw_once(raw, peer, plans))
+
+
+def _decode(conn: Connection, url: str, transport: str) -> None:
+    lay: Layout | None = None
+    bufs: list[np.ndarray] = []  # keeps the layout's memory alive
+    for _ in range(100):
+        cmd = conn.recv()
+        if cmd[0] == "exit":
+            return
+        if cmd[0] == "layout":
+            lay, bufs = _layout(cmd[1], 2)
+            conn.send(layout_to_msg(lay))
+            continue
+        _, phase, case, n, rounds = cmd
+        assert lay is not None and bufs
+        with Agent.decode(lay, config=_config(f"bench-{phase}", transport)) as agent, \
+                create_transport(transport) as raw:  # the raw baseline's receiver
+            raw.register(lay)
+            conn.send(raw.endpoint())
+            if phase == "throughput":
+                for r in range(rounds):
+                    conn.recv()  # go
+                    conn.send(_decode_round(agent, url, case, lay, n, r))
+            else:
+                conn.send(_decode_one_by_one(agent, url, case, lay, n))
+            conn.recv()  # prefill is done: close
+
+
+def _dst_lists(req: dict[str, Any], lay: Layout) -> dict[str, Any]:
+    return {c.name: req[c.name].dst for c in lay.components if c.name != "aux"}
+
+
+def _decode_one_by_one(agent: Agent, url: str, case: Case, lay: Layout, n: int
+                       ) -> tuple[list[float], list[float]]:
+    starts, ends = [], []
+    for i in range(n):
+        req = _request(case, lay, lay, i % (case.slots - 1))
+        t = time.perf_counter()
+        r = Receiver(agent, url, i)
+        r.init(_dst_lists(req, lay), int(req["aux"].dst[0]))
+        if r.wait(TIMEOUT) is not Status.SUCCESS:
+            raise RuntimeError(f"request {i} failed: {r.reason}")
+        ends.append(time.perf_counter())
+        starts.append(t)
+    return starts, ends
+
+
+def _decode_round(agent: Agent, url: str, case: Case, lay: Layout, n: int, r: int) -> float:
+    t = time.perf_counter()
+    recvs = []
+    for i in range(n):
+        req = _request(case, lay, lay, i)
+        x = Receiver(agent, url, r * n + i)
+        x.init(_dst_lists(req, lay), int(req["aux"].dst[0]))
+        recvs.append(x)
+    for x in recvs:
+        if x.wait(TIMEOUT) is not Status.SUCCESS:
+            raise RuntimeError(f"request {x.request_id} failed: {x.reason}")
+    return time.perf_counter() - t
+
+
+# ---------------------------------------------------------------------------------------
+# The parent
+
+
+class Pair:
+    def __init__(self, url: str, transport: str) -> None:
+        ctx = mp.get_context("spawn")
+        self.p, pc = ctx.Pipe()
+        self.d, dc = ctx.Pipe()
+        self.procs = [ctx.Process(target=_prefill, args=(pc, url, transport), daemon=True),
+                      ctx.Process(target=_decode, args=(dc, url, transport), daemon=True)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, phase: str, case: Case, n: int, rounds: int = 1) -> dict[str, Any]:
+        self.d.send(("layout", case))
+        dst = self._recv(self.d)
+        self.p.send(("run", phase, case, n, rounds, dst))
+        self._recv(self.p)  # registered
+        self.d.send(("run", phase, case, n, rounds))
+        self.p.send(self._recv(self.d))  # the raw receiver's endpoint
+        out: dict[str, Any]
+        if phase == "throughput":
+            sess, raw, bad = [], [], []
+            for _ in range(rounds):  # alternate: both see the same interference
+                self.p.send(("go",))
+                self.d.send(("go",))
+                sess.append(self._recv(self.d))
+                bad += self._recv(self.p)
+                self.p.send(("raw",))
+                raw.append(self._recv(self.p))
+            out = {"decode": sess, "raw": raw, "failures": bad}
+        else:
+            t0s, raws = self._recv(self.p)
+            out = {"prefill": t0s, "raw": raws, "decode": self._recv(self.d)}
+        self.d.send(("close",))
+        self.p.send(("close",))
+        return out
+
+    def _recv(self, conn: Connection) -> Any:
+        if not conn.poll(TIMEOUT * 2):
+            raise RuntimeError("a benchmark process did not answer in time")
+        return conn.recv()  # EOFError if it died
+
+    def close(self) -> None:
+        for c in (self.p, self.d):
+            c.send(("exit",))
+        for p in self.procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.array(xs) * 1e3, q)) if xs else 0.0
+
+
+def _summary(xs: list[float]) -> dict[str, float]:
+    return {"p50_ms": _pct(xs, 50), "p90_ms": _pct(xs, 90), "p99_ms": _pct(xs, 99),
+            "mean_ms": float(np.mean(xs) * 1e3) if xs else 0.0, "n": len(xs)}
+
+
+def run(quick: bool, transport: str = "tcp") -> dict[str, Any]:
+    n_lat = 200 if quick else 2000
+    rounds = 5 if quick else 30
+    tiny = Case("tiny", "tiny", page=16, tokens=16, pages=CONCURRENT + 2,
+                slots=CONCURRENT + 2)
+    big = Case("big", "big", page=64, tokens=13_000, pages=208, slots=2)
+    out: dict[str, Any] = {"machine": platform.platform(), "python": sys.version.split()[0],
+                           "cpus": os.cpu_count(), "transport": transport, "quick": quick}
+    with BootstrapServer() as srv:
+        pair = Pair(srv.url, transport)
+        try:
+            lat = pair.run("latency", tiny, n_lat)
+            t0s, (starts, ends) = lat["prefill"], lat["decode"]
+            skip = min(50, n_lat // 10)  # warm-up
+            handoff = [e - t for t, e in zip(t0s, ends, strict=True)][skip:]
+            round_trip = [e - s for s, e in zip(starts, ends, strict=True)][skip:]
+            out["latency"] = {"handoff": _summary(handoff), "round_trip": _summary(round_trip),
+                              "raw_transport_write": _summary(lat["raw"]),
+                              "bytes": _plan_bytes(tiny)}
+            thr = pair.run("throughput", tiny, CONCURRENT, rounds)
+            sess = thr["decode"][1:] or thr["decode"]
+            out["throughput"] = {
+                "concurrent": CONCURRENT, "rounds": len(sess),
+                "handoffs_per_s": CONCURRENT / statistics.median(sess),
+                "raw_transport_requests_per_s": CONCURRENT / statistics.median(thr["raw"]),
+                "failures": thr["failures"]}
+            reps = 4 if quick else 12
+            bg = pair.run("big", big, reps)
+            t0s, (_, ends) = bg["prefill"], bg["decode"]
+            times = [e - t for t, e in zip(t0s, ends, strict=True)][1:]
+            raws = bg["raw"][1:]
+            out["big"] = {"bytes": _plan_bytes(big), "session_ms": _summary(times),
+                          "raw_transport_ms": _summary(raws),
+                          # each session rep next to the raw write right after it
+                          "ratio": statistics.median(a / b for a, b in zip(times, raws,
+                                                                          strict=True))}
+        finally:
+            pair.close()
+    return out
+
+
+def _plan_bytes(case: Case) -> int:
+    src, _ = _layout(case, 1)
+    return plan(src, src, _request(case, src, src, 0)).nbytes
+
+
+def _plot(res: dict[str, Any], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(1, 3, figsize=(13, 4))
+    lat = res["latency"]
+    names = ["handoff", "round_trip", "raw_transport_write"]
+    for q, off in (("p50_ms", -0.25), ("p99_ms", 0.25)):
+        ax[0].bar([i + off for i in range(3)], [lat[n][q] for n in names], 0.45, label=q)
+    ax[0].axhline(1.0, color="k", ls="--", lw=0.8, label="1 ms goal")
+    ax[0].set_xticks(range(3), ["handoff", "round trip", "raw write"])
+    ax[0].set_ylabel("ms")
+    ax[0].set_title(f"tiny request latency ({lat['bytes']} B)")
+    ax[0].legend()
+    thr = res["throughput"]
+    ax[1].bar(["session handoffs/s", "raw transport req/s"],
+              [thr["handoffs_per_s"], thr["raw_transport_requests_per_s"]])
+    ax[1].set_title(f"{thr['concurrent']} concurrent tiny requests")
+    big = res["big"]
+    ax[2].bar(["session", "bare transport"],
+              [big["session_ms"]["p50_ms"], big["raw_transport_ms"]["p50_ms"]])
+    ax[2].set_ylabel("ms (p50)")
+    ax[2].set_title(f"{big['bytes'] / 2**20:.0f} MiB hybrid handoff: {big['ratio']:.2f}x "
+                    f"(goal <= 1.1x)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvhandoff bench session",
+                                 description=__doc__.split("\n\n")[0] if __doc__ else None)
+    ap.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write results")
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions (seconds)")
+    ap.add_argument("--transport", default="tcp", help="transport to run over (default tcp)")
+    args = ap.parse_args(argv)
+    res = run(args.quick, args.transport)
+    lat, thr, big = res["latency"], res["throughput"], res["big"]
+    print(f"tiny handoff ({lat['bytes']} B): p50 {lat['handoff']['p50_ms']:.3f} ms, "
+          f"p99 {lat['handoff']['p99_ms']:.3f} ms  [goal p50 <= 1 ms: "
+          f"{'met' if lat['handoff']['p50_ms'] <= 1.0 else 'NOT met'}]")
+    print(f"tiny round trip: p50 {lat['round_trip']['p50_ms']:.3f} ms, "
+          f"p99 {lat['round_trip']['p99_ms']:.3f} ms; raw transport write p50 "
+          f"{lat['raw_transport_write']['p50_ms']:.3f} ms")
+    print(f"{thr['concurrent']} concurrent: {thr['handoffs_per_s']:.0f} handoffs/s vs raw "
+          f"transport {thr['raw_transport_requests_per_s']:.0f} requests/s")
+    print(f"big ({big['bytes'] / 2**20:.1f} MiB): session p50 {big['session_ms']['p50_ms']:.1f} "
+          f"ms vs bare transport {big['raw_transport_ms']['p50_ms']:.1f} ms = "
+          f"{big['ratio']:.2f}x [goal <= 1.1x: {'met' if big['ratio'] <= 1.1 else 'NOT met'}]")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(res, indent=2))
+    _plot(res, args.json.with_suffix(".png"))
+    print(f"wrote {args.json} and {args.json.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""Chunked prefill: which destination pages each KV chunk fills. Pure.
+
+The prefill engine hands its KV pages to ``Sender.send`` in sequence order, starting at
+token 0, chunk by chunk. Decode's KV list covers only the tokens it lacks,
+``[decode_prefix_len, seq_len)``. A :class:`KvCursor` (one per decode rank) pairs each
+chunk with its slice of decode's list:
+
+* **Page path** (equal page sizes, decode list starting at row 0): chunk page ``g``
+  (counting from token 0) fills decode page ``g - decode_prefix_len / page_size``;
+  pages below the prefix are dropped. Whole pages move, the last one possibly partial.
+* **Row path** (page sizes differ): the cursor works in token rows, so it needs the
+  request's token count (``Sender.init(num_tokens=...)``). Tokens
+  ``[max(prefix, chunk start), chunk end)`` move; the planner re-pages them.
+
+Counts are checked when both sides are known (:meth:`KvCursor.problem`), so a request
+whose page counts disagree fails at bootstrap with both numbers, never mid-transfer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvhandoff.layout import Layout
+from kvhandoff.plan.request import IndexArray, Indices, as_indices
+
+
+@dataclass(frozen=True, slots=True)
+class SourceList:
+    """A prefill-side index list with a first token row (for re-paged TOKEN tensors)."""
+
+    items: object
+    first_row: int = 0
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KvCursor:
+    """Maps KV chunks onto one decode rank's KV destination list.
+
+    Not thread-safe: its Sender calls it under the request's lock.
+    """
+
+    def __init__(self, *, component: str, dst_items: IndexArray, dst_first_row: int,
+                 src_page: int, dst_page: int, prefix_len: int, num_pages: int,
+                 num_tokens: int | None, repageable: bool) -> None:
+        self.component = component
+        self.dst = dst_items
+        self.fr0 = dst_first_row
+        self.ps, self.pd = src_page, dst_page
+        self.prefix = prefix_len
+        self.num_pages = num_pages
+        self.num_tokens = num_tokens
+        self.repageable = repageable
+        self.by_rows = src_page != dst_page or dst_first_row != 0
+        self.seen = 0  # pages handed to next() so far
+
+    def problem(self) -> str | None:
+        """Why this chunking cannot work (page counts, prefix alignment), or None."""
+        c, n = self.component, len(self.dst)
+        if self.by_rows:
+            if not self.repageable:
+                return (f"component {c!r}: prefill pages hold {self.ps} tokens, decode pages "
+                        f"{self.pd}, and some of its tensors cannot be re-paged by token "
+                        f"rows; run both sides with the same page size")
+            if self.num_tokens is None:
+                return (f"component {c!r}: page sizes differ (prefill {self.ps}, decode "
+                        f"{self.pd}), so Sender.init needs num_tokens to move token rows")
+            if self.prefix > self.num_tokens:
+                return (f"decode prefix of {self.prefix} tokens exceeds the request's "
+                        f"{self.num_tokens} tokens")
+            if _ceil(self.num_tokens, self.ps) != self.num_pages:
+                return (f"component {c!r}: {self.num_tokens} tokens need "
+                        f"{_ceil(self.num_tokens, self.ps)} pages of {self.ps}, Sender.init "
+                        f"announced {self.num_pages}")
+            need = self.fr0 + self.num_tokens - self.prefix
+            if n * self.pd < need:
+                return (f"component {c!r}: decode gave {n} pages of {self.pd} tokens from row "
+                        f"{self.fr0}, too few for the {self.num_tokens - self.prefix} tokens "
+                        f"past its prefix of {self.prefix}")
+            return None
+        if self.prefix % self.ps:
+            return (f"decode prefix of {self.prefix} tokens is not a whole number of "
+                    f"{self.ps}-token pages")
+        if self.num_tokens is not None and _ceil(self.num_tokens, self.ps) != self.num_pages:
+            return (f"component {c!r}: {self.num_tokens} tokens need "
+                    f"{_ceil(self.num_tokens, self.ps)} pages of {self.ps}, Sender.init "
+                    f"announced {self.num_pages}")
+        skip = self.prefix // self.ps
+        if self.num_pages - skip != n:
+            return (f"component {c!r}: prefill sends {self.num_pages} pages of which "
+                    f"{min(skip, self.num_pages)} are inside decode's prefix of {self.prefix} "
+                    f"tokens, leaving {max(0, self.num_pages - skip)}; decode allocated {n}")
+        return None
+
+    def next(self, pages: IndexArray, last: bool) -> Indices:
+        """The planner indices of the next chunk. Raises ``ValueError`` when the chunk
+        overruns the announced page count, or the last chunk falls short of it."""
+        g0, g1 = self.seen, self.seen + len(pages)
+        if g1 > self.num_pages:
+            raise ValueError(f"component {self.component!r}: chunks now hold {g1} pages, more "
+                             f"than the {self.num_pages} Sender.init announced")
+        if last and g1 != self.num_pages:
+            raise ValueError(f"component {self.component!r}: the last chunk ends at page {g1}, "
+                             f"Sender.init announced {self.num_pages}")
+        self.seen = g1
+        if not self.by_rows:
+            skip = self.prefix // self.ps
+            cut = min(max(skip - g0, 0), len(pages))
+            lo = g0 + cut - skip
+            return Indices(pages[cut:], self.dst[lo:g1 - skip])
+        assert self.num_tokens is not None  # problem() said so
+        t0 = max(self.prefix, g0 * self.ps)
+        t1 = min(g1 * self.ps, self.num_tokens)
+        if t1 <= t0:
+            empty = np.zeros(0, np.int64)
+            return Indices(empty, empty)
+        src = pages[t0 // self.ps - g0:_ceil(t1, self.ps) - g0]
+        a = t0 - self.prefix + self.fr0
+        b = t1 - self.prefix + self.fr0
+        return Indices(src, self.dst[a // self.pd:_ceil(b, self.pd)],
+                       src_first_row=t0 % self.ps, dst_first_row=a % self.pd,
+                       num_rows=t1 - t0)
+
+
+def source_indices(value: object, what: str) -> tuple[IndexArray, int]:
+    """``(items, first_row)`` of a prefill state list (an array-like or a SourceList)."""
+    if isinstance(value, SourceList):
+        if value.first_row < 0:
+            raise ValueError(f"{what}: first_row must be >= 0, got {value.first_row}")
+        return as_indices(value.items, what), value.first_row
+    return as_indices(value, what), 0
+
+
+def check_items(layout: Layout, name: str, items: IndexArray, side: str) -> None:
+    """Raise ``ValueError`` unless every item index of component ``name`` is inside every
+    one of its tensors here: an engine bug caught at the call, not mid-request."""
+    if not len(items):
+        return
+    lo, hi = int(items.min()), int(items.max())
+    caps = [t.capacity for t in layout.component(name).tensors if not t.elided]
+    if lo < 0 or (caps and hi >= min(caps)):
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"component {name!r}: {side} index {bad} is outside its tensors "
+                         f"({min(caps) if caps else 0} items)")

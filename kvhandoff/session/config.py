@@ -1,0 +1,133 @@
+"""The session layer's one frozen configuration, read once (defaults, then env, then code).
+
+Every knob has a default that works on one host; each can be overridden by an
+environment variable ``KVHANDOFF_<FIELD NAME IN CAPITALS>`` (e.g.
+``KVHANDOFF_TRANSFER_TIMEOUT=120``) through :meth:`SessionConfig.from_env`, and by
+keyword arguments, which win over the environment. Nothing else in the session layer
+reads the environment.
+
+Timeouts, in seconds, and what each bounds:
+
+* ``bootstrap_timeout`` — decode: from ``Receiver(...)`` until its TransferInits are sent
+  (bootstrap lookup + handshakes). Prefill: registering with the bootstrap server.
+* ``indices_timeout`` — prefill: from ``Sender(...)`` until every decode rank's
+  TransferInit (its destination indices) has arrived.
+* ``waiting_timeout`` — decode: from sending TransferInit until the first chunk status
+  (prefill may be queueing or computing a long prompt).
+* ``transfer_timeout`` — prefill: one chunk's writes; decode: the longest gap between two
+  chunk statuses, and the wait for the aux row after the last one.
+* ``release_timeout`` — decode: after a failure, how long to wait for every prefill
+  rank's AbortAck before declaring the destination pages reusable anyway (reported).
+* ``heartbeat_interval`` / ``heartbeat_timeout`` — peers with live requests are pinged
+  every interval; one silent for the timeout is declared lost and its requests fail.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+ENV_PREFIX = "KVHANDOFF_"
+
+_INSTANCE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SessionConfig:
+    """Settings of one agent. Immutable; build with :meth:`from_env` or directly."""
+
+    host: str = "127.0.0.1"  # control socket bind address
+    advertise_host: str = ""  # address peers dial (default: host, or 127.0.0.1 for 0.0.0.0)
+    port: int = 0  # control socket port; 0 = any free port
+    transport: str = "tcp"  # transport name for create_transport
+    transport_options: Mapping[str, Any] = field(default_factory=dict)
+    instance: str = "default"  # prefill deployment name (bootstrap key); decode label
+    bootstrap_timeout: float = 30.0
+    indices_timeout: float = 300.0
+    waiting_timeout: float = 300.0
+    transfer_timeout: float = 60.0
+    release_timeout: float = 30.0
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 5.0
+    register_retries: int = 5  # prefill: bootstrap registration attempts after the first
+    checksum: bool = False  # decode: ask prefill for per-component checksums and verify them
+    max_pending_inits: int = 4096  # prefill: TransferInits buffered before their Sender exists
+    workers: int = 4  # threads for blocking jobs (lookups, handshakes, checksum checks)
+
+    def __post_init__(self) -> None:
+        problems = []
+        for f in ("bootstrap_timeout", "indices_timeout", "waiting_timeout",
+                  "transfer_timeout", "release_timeout", "heartbeat_interval",
+                  "heartbeat_timeout"):
+            v = getattr(self, f)
+            if not isinstance(v, int | float) or not v > 0:
+                problems.append(f"{f} must be a positive number of seconds, got {v!r}")
+        if self.heartbeat_timeout < self.heartbeat_interval:
+            problems.append(f"heartbeat_timeout ({self.heartbeat_timeout}) must be at least "
+                            f"heartbeat_interval ({self.heartbeat_interval})")
+        if not 0 <= self.port < 65536:
+            problems.append(f"port must be in 0..65535, got {self.port}")
+        if self.register_retries < 0 or self.max_pending_inits < 1 or self.workers < 1:
+            problems.append("register_retries must be >= 0, max_pending_inits and workers >= 1")
+        if not _INSTANCE.match(self.instance):
+            problems.append(f"instance {self.instance!r} must match {_INSTANCE.pattern}")
+        if problems:
+            raise ValueError("invalid session config: " + "; ".join(problems))
+
+    @property
+    def dial_host(self) -> str:
+        """The address peers use to reach this agent's control socket."""
+        if self.advertise_host:
+            return self.advertise_host
+        return "127.0.0.1" if self.host in ("0.0.0.0", "*", "") else self.host
+
+    @property
+    def tick(self) -> float:
+        """How often timers run: fine enough for the shortest timeout, at most 50 ms."""
+        return min(0.05, self.heartbeat_interval / 4, self.transfer_timeout / 8)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> SessionConfig:
+        """Defaults, then ``KVHANDOFF_*`` variables from ``env`` (default ``os.environ``),
+        then ``overrides``. Raises ``ValueError`` naming a variable that does not parse."""
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            raw = env.get(ENV_PREFIX + f.name.upper())
+            if raw is None:
+                continue
+            try:
+                values[f.name] = _parse(f.name, f.type, raw)
+            except ValueError as e:
+                raise ValueError(f"{ENV_PREFIX}{f.name.upper()}={raw!r}: {e}") from None
+        values.update(overrides)
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> SessionConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def _parse(name: str, kind: object, raw: str) -> Any:
+    text = str(kind)
+    if name == "transport_options":
+        value = json.loads(raw)
+        if not isinstance(value, dict):
+            raise ValueError("expected a JSON object")
+        return value
+    if text == "bool":
+        low = raw.strip().lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off", ""):
+            return False
+        raise ValueError("expected a boolean (1/0, true/false)")
+    if text == "int":
+        return int(raw)
+    if text == "float":
+        return float(raw)
+    return raw

@@ -1,0 +1,117 @@
+r"""An in-process session rig for fault tests: one prefill and one decode agent of a tiny
+model in this process, real memory, the tcp transport, short timeouts. Test support.
+
+:class:`Rig` builds both agents (prefill registers with the given bootstrap server),
+creates Receivers and Senders for :class:`~kvhandoff.testing.handoff.RequestPlan`\ s with
+the same indices the cross-process harness uses, and runs whole handoffs.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from kvhandoff.layout import Layout
+from kvhandoff.session import Agent, Receiver, Sender, SessionConfig, Status
+from kvhandoff.testing.handoff import (
+    AUX,
+    DECODE,
+    PREFILL,
+    Arena,
+    RequestPlan,
+    Scenario,
+    Topology,
+    aux_name,
+    chunks_of,
+    decode_lists,
+    first_token,
+    kv_name,
+    layout_of,
+    prefill_pages,
+    prefill_state,
+    request_of,
+)
+from kvhandoff.transport import Transport, create_transport
+
+FAST: dict[str, Any] = {"bootstrap_timeout": 5.0, "indices_timeout": 5.0,
+                        "waiting_timeout": 5.0, "transfer_timeout": 5.0,
+                        "release_timeout": 3.0, "heartbeat_interval": 0.1,
+                        "heartbeat_timeout": 1.0, "register_retries": 0, "workers": 2}
+
+
+def kvh_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("kvh")]
+
+
+def config(instance: str, **kw: Any) -> SessionConfig:
+    return SessionConfig.from_env({}, **{**FAST, "instance": instance, **kw})
+
+
+class Rig:
+    """One prefill and one decode agent of tiny qwen3_next (TP 1 each, unless the
+    topology says otherwise: then rank 0 of each side), in this process."""
+
+    def __init__(self, url: str, instance: str, *, topo: Topology | None = None,
+                 prefill_cfg: dict[str, Any] | None = None,
+                 decode_cfg: dict[str, Any] | None = None,
+                 prefill_transport: Transport | None = None,
+                 decode_layout: Layout | None = None) -> None:
+        self.url = url
+        self.topo = topo or Topology(shape="qwen3_next", num_pages=64)
+        self.scn = Scenario(topo=self.topo, requests=())
+        self.parena = Arena((0, PREFILL, 0, 0, 0))
+        self.darena = Arena((0, DECODE, 0, 0, 0))
+        self.src = layout_of(self.topo, PREFILL, 0, 0, self.parena)
+        self.dst = decode_layout or layout_of(self.topo, DECODE, 0, 0, self.darena)
+        self.prefill = Agent.prefill(self.src, bootstrap_url=url,
+                                     config=config(instance, **(prefill_cfg or {})),
+                                     transport=prefill_transport or create_transport("tcp"))
+        try:
+            self.decode = Agent.decode(self.dst, config=config(instance, **(decode_cfg or {})))
+        except BaseException:
+            self.prefill.close()
+            raise
+
+    def plan(self, rid: Any, *, block: int = 0, num_tokens: int = 21, chunk_pages: int = 2,
+             **kw: Any) -> RequestPlan:
+        return RequestPlan(rid=rid, num_tokens=num_tokens, block=block, chunk_pages=chunk_pages,
+                           seed=block, **kw)
+
+    def receiver(self, rp: RequestPlan, *, init: bool = True) -> Receiver:
+        r = Receiver(self.decode, self.url, rp.rid)
+        if init:
+            lists, row = decode_lists(request_of(self.scn, rp, self.src, self.dst), self.dst)
+            r.init(lists, row, decode_prefix_len=rp.prefix_len)
+        return r
+
+    def sender(self, rp: RequestPlan) -> tuple[Sender, list[np.ndarray], dict[str, object]]:
+        """A Sender, init'ed, with its aux row packed; returns its chunks and state."""
+        s = Sender(self.prefill, rp.rid)
+        req = request_of(self.scn, rp, self.src, self.dst)
+        pages = prefill_pages(self.topo, rp, req, kv_name(self.src))
+        s.init(len(pages), rp.block + 1)
+        ax = aux_name(self.src)
+        assert ax is not None
+        row = self.prefill.views.row(self.src.component(ax).tensors[0], rp.block + 1)
+        assert row is not None
+        AUX.pack(row, first_token=first_token(rp.rid))
+        return s, chunks_of(rp, pages), prefill_state(req, self.src)
+
+    def send_all(self, s: Sender, chunks: list[np.ndarray], state: dict[str, object]) -> None:
+        for i, c in enumerate(chunks):
+            last = i == len(chunks) - 1
+            s.send(c, state_indices=state if last else None, last=last)
+
+    def handoff(self, rp: RequestPlan) -> tuple[Sender, Receiver]:
+        r = self.receiver(rp)
+        s, chunks, state = self.sender(rp)
+        self.send_all(s, chunks, state)
+        assert r.wait(10) is Status.SUCCESS, r.reason
+        assert s.wait(10) is Status.SUCCESS, s.reason
+        return s, r
+
+    def close(self) -> None:
+        self.decode.close()
+        self.prefill.close()
