@@ -1,0 +1,207 @@
+"""What a Hugging Face model keeps per request, as a kvhandoff ``ModelShape`` plus codecs.
+
+:func:`describe` runs the model once on a few tokens and looks at the cache it builds:
+each cache layer's *kind* picks a codec (:mod:`kvhandoff.engine.codecs`), and the
+tensors' shapes give the dimensions. The one piece of family knowledge is how a
+linear-attention conv's channels split into independently sharded sub-blocks:
+gated delta nets (configs with ``linear_key_head_dim``: Qwen3-Next, Qwen3.5) use
+``[q | k | v]``; Mamba2 mixers use ``[x | B | C]``. Everything else is read off the
+cache, so a new family built from the same cache-layer kinds needs no code here.
+
+The result drives :func:`kvhandoff.shapes.layout_for`: the engine's pools are laid out
+exactly as the library's named shapes describe real deployments (sglang's pools).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from kvhandoff.engine.codecs import (
+    AttentionCodec,
+    DeepseekV4Codec,
+    LatentCodec,
+    LayerCodec,
+    LinearCodec,
+)
+from kvhandoff.errors import LayoutError
+from kvhandoff.shapes import LayerKind, ModelShape
+
+_PROBE_TOKENS = 8
+_DSV4_KINDS = ("compressed_sparse_attention", "heavily_compressed_attention")
+
+
+@dataclass(frozen=True, slots=True)
+class Arch:
+    """A model's per-request state: the shape the pools follow and one codec per layer."""
+
+    name: str
+    shape: ModelShape
+    codecs: tuple[LayerCodec | None, ...]  # None: the layer keeps nothing (MLP / MoE)
+    window: int  # sliding window in tokens (0: none)
+    dsv4: bool
+
+    @property
+    def layer_codecs(self) -> tuple[LayerCodec, ...]:
+        return tuple(c for c in self.codecs if c is not None)
+
+
+def _kind(cache_layer: Any) -> str:
+    """The cache-layer kind, by class hierarchy (hybrid classes subclass two kinds)."""
+    names = {c.__name__ for c in type(cache_layer).__mro__}
+    compressed = getattr(cache_layer, "_layer_type", "")
+    if compressed in _DSV4_KINDS:
+        return str(compressed)
+    if "LinearAttentionCacheLayerMixin" in names and "DynamicLayer" in names:
+        return "hybrid"
+    for kind in ("LinearAttentionLayer", "DynamicIndexedLayer", "DynamicSlidingWindowLayer",
+                 "DynamicLayer", "DummyLayer"):
+        if kind in names:
+            return kind
+    return type(cache_layer).__name__
+
+
+def describe(model: PreTrainedModel, name: str = "") -> Arch:
+    """Probe ``model`` (one forward of a few tokens, no gradients) and describe its state.
+
+    Raises :class:`~kvhandoff.errors.LayoutError` naming the layer for a cache-layer kind
+    the engine has no codec for (e.g. layers that are attention *and* Mamba at once, or
+    Mamba1 mixers: ``kvhandoff.shapes`` has no layer kind for them yet).
+    """
+    cfg = model.config.get_text_config(decoder=True)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(torch.zeros((1, _PROBE_TOKENS), dtype=torch.long), past_key_values=cache,
+              use_cache=True)
+    kinds = [_kind(layer) for layer in cache.layers]
+    dsv4 = any(k in _DSV4_KINDS for k in kinds)
+    mla = getattr(cfg, "kv_lora_rank", None) is not None
+    b = _ShapeBuilder(name or cfg.model_type)
+    codecs: list[LayerCodec | None] = []
+    for i, (kind, layer) in enumerate(zip(kinds, cache.layers, strict=True)):
+        codecs.append(b.layer(i, kind, layer, cfg, dsv4=dsv4, mla=mla))
+    return Arch(name=b.name, shape=b.shape(), codecs=tuple(codecs), window=b.window, dsv4=dsv4)
+
+
+class _ShapeBuilder:
+    """Accumulates ModelShape fields while codecs are chosen layer by layer."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.kinds: list[LayerKind] = []
+        self.fields: dict[str, Any] = {}
+        self.window = 0
+
+    def _set(self, **values: Any) -> None:
+        for k, v in values.items():
+            if self.fields.setdefault(k, v) != v:
+                raise LayoutError(f"{self.name}: layers disagree on {k} "
+                                  f"({self.fields[k]} vs {v}); one pool shape per model")
+
+    def layer(self, i: int, kind: str, layer: Any, cfg: Any, *, dsv4: bool, mla: bool
+              ) -> LayerCodec | None:
+        if kind == "DummyLayer":
+            self.kinds.append(LayerKind.MLP)
+            return None
+        if dsv4:
+            return self._dsv4(i, kind, layer, cfg)
+        if kind in ("DynamicLayer", "DynamicIndexedLayer") and mla:
+            return self._latent(i, layer, indexed=kind == "DynamicIndexedLayer")
+        if kind in ("DynamicLayer", "DynamicSlidingWindowLayer"):
+            k, v = layer.keys, layer.values
+            if k.shape != v.shape:
+                raise LayoutError(f"{self.name} layer {i}: K {tuple(k.shape)} and V "
+                                  f"{tuple(v.shape)} differ; MHA pages need equal shapes")
+            heads, head_dim = k.shape[1], k.shape[3]
+            self._set(kv_heads=heads, head_dim=head_dim, kv_dtype_bytes=k.element_size())
+            window = None
+            if kind == "DynamicSlidingWindowLayer":
+                window = int(layer.sliding_window)
+                self._set(sliding_window=window)
+                self.window = window
+            self.kinds.append(LayerKind.SWA if window else LayerKind.ATTN)
+            return AttentionCodec(layer=i, component="swa" if window else "kv", heads=heads,
+                                  head_dim=head_dim, dtype=k.dtype, window=window)
+        if kind == "LinearAttentionLayer":
+            return self._linear(i, layer, cfg)
+        raise LayoutError(
+            f"{self.name} layer {i}: no engine codec for cache layer kind {kind!r} "
+            f"({type(layer).__name__}); kvhandoff.shapes has one layer kind per layer")
+
+    def _latent(self, i: int, layer: Any, *, indexed: bool) -> LayerCodec:
+        k, v = layer.keys, layer.values  # [1, 1, S, kv_lora], [1, 1, S, rope]
+        latent, rope = k.shape[-1], v.shape[-1]
+        self._set(mla_row_bytes=(latent + rope) * k.element_size())
+        index_dim = 0
+        index_dtype = None
+        if indexed:
+            ik = layer.indexer_keys  # [1, S, index_head_dim]
+            index_dim, index_dtype = ik.shape[-1], ik.dtype
+            self._set(index_row_bytes=index_dim * ik.element_size())
+        self.kinds.append(LayerKind.MLA)
+        return LatentCodec(layer=i, latent=latent, rope=rope, dtype=k.dtype,
+                           index_dim=index_dim, index_dtype=index_dtype)
+
+    def _linear(self, i: int, layer: Any, cfg: Any) -> LayerCodec:
+        if layer.number_of_states != 1:
+            raise LayoutError(f"{self.name} layer {i}: {layer.number_of_states} conv states "
+                              f"per layer; the engine maps exactly one")
+        conv, ssm = layer.conv_states[0], layer.recurrent_states[0]
+        if conv is None or ssm is None or ssm.dim() != 4:
+            raise LayoutError(
+                f"{self.name} layer {i}: linear-attention layer without a 4-D recurrent state "
+                f"(Mamba1 / short-conv mixers have no kvhandoff.shapes layer kind yet)")
+        channels, width = conv.shape[1], conv.shape[2]
+        heads, a, b = ssm.shape[1], ssm.shape[2], ssm.shape[3]
+        common = {"conv_kernel": width, "conv_dtype_bytes": conv.element_size(),
+                  "ssm_dtype_bytes": ssm.element_size()}
+        if getattr(cfg, "linear_key_head_dim", None) is not None:  # gated delta net
+            kd = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+            if channels != 2 * kd + heads * b or a != cfg.linear_key_head_dim:
+                raise LayoutError(f"{self.name} layer {i}: conv channels {channels} are not "
+                                  f"[q|k|v] = 2*{kd} + {heads}*{b}")
+            self._set(linear_k_heads=cfg.linear_num_key_heads, linear_k_dim=a,
+                      linear_v_heads=heads, linear_v_dim=b, **common)
+            self.kinds.append(LayerKind.GDN)
+        else:  # Mamba2: conv [x | B | C], x = heads * head_dim, B = C = groups * state
+            gn2 = channels - heads * a
+            if gn2 <= 0 or gn2 % (2 * b):
+                raise LayoutError(f"{self.name} layer {i}: conv channels {channels} are not "
+                                  f"[x|B|C] for {heads} heads x {a} and state {b}")
+            self._set(mamba_heads=heads, mamba_head_dim=a, mamba_state=b,
+                      mamba_groups=gn2 // (2 * b), **common)
+            self.kinds.append(LayerKind.MAMBA2)
+        return LinearCodec(layer=i, conv=(channels, width), ssm=(heads, a, b),
+                           conv_dtype=conv.dtype, ssm_dtype=ssm.dtype)
+
+    def _dsv4(self, i: int, kind: str, layer: Any, cfg: Any) -> LayerCodec:
+        window = int(layer.sliding_window)
+        d, di = cfg.head_dim, cfg.index_head_dim
+        dtype = layer.keys.dtype
+        isz = dtype.itemsize
+        if dtype != torch.float32:
+            raise LayoutError(f"{self.name}: DeepSeek-V4 compressor state rows are laid out "
+                              f"as fp32 (kvhandoff.shapes); run the model in float32")
+        self._set(sliding_window=window, dsv4_kv_row_bytes=d * isz, dsv4_head_dim=d,
+                  dsv4_index_head_dim=di, index_row_bytes=di * isz)
+        self.window = window
+        rate = getattr(layer, "compress_rate", 0)
+        table = {"DynamicSlidingWindowLayer": (LayerKind.DSV4_W, "w", 0),
+                 "compressed_sparse_attention": (LayerKind.DSV4_C4, "c4", 4),
+                 "heavily_compressed_attention": (LayerKind.DSV4_C128, "c128", 128)}
+        if kind not in table:
+            raise LayoutError(f"{self.name} layer {i}: unexpected DeepSeek-V4 cache layer {kind}")
+        lk, short, want = table[kind]
+        if want and rate != want:
+            raise LayoutError(f"{self.name} layer {i}: compress rate {rate}, but the pools "
+                              f"(kvhandoff.shapes) hold C4 / C128 rows: use rates 4 and 128")
+        self.kinds.append(lk)
+        return DeepseekV4Codec(layer=i, kind=short, head_dim=d, index_dim=di, window=window,
+                               dtype=dtype)
+
+    def shape(self) -> ModelShape:
+        return ModelShape(name=self.name, layers=tuple(self.kinds), aux_row_bytes=64,
+                          **self.fields)
