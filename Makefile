@@ -8,7 +8,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvhandoff-installed
 
-.PHONY: demo test lint typecheck unit bench-planner venv system-deps engines clean
+.PHONY: demo test lint typecheck unit bench-planner bench-session venv system-deps engines clean
 
 venv: $(STAMP)
 
@@ -16,10 +16,13 @@ venv: $(STAMP)
 # NIXL) are part of the default set-up so the test suite runs them for real; they
 # import only where `make system-deps` has installed Mooncake's Debian packages, and
 # their tests skip with a reason elsewhere.
+# torch goes first and pinned: 2.13.0 resolves to the local CPU build, and anything that
+# asks for torch later (transformers) then finds it satisfied instead of pulling CUDA.
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev,mooncake]'
+	$(BIN)/python -m pip install -q 'torch==2.13.0'
+	$(BIN)/python -m pip install -q -e '.[dev,mooncake,engine]'
 	$(BIN)/python -m pip install -q --no-deps 'nixl-cu12>=1.5,<2'
 	@touch $@
 
@@ -41,6 +44,9 @@ unit: $(STAMP)
 
 bench-planner: $(STAMP)
 	$(BIN)/python benchmarks/planner.py
+
+bench-session: $(STAMP)
+	$(BIN)/kvhandoff bench session
 
 # Debian packages some optional transports need (Mooncake). Safe to re-run.
 system-deps:

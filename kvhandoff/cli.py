@@ -6,6 +6,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+BENCHMARKS = ["session"]
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
@@ -15,18 +17,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command")
 
-    demo = sub.add_parser("demo", help="run a verified handoff between two layouts")
-    demo.add_argument("--model", default="hybrid", help="model shape (see --list-models)")
-    demo.add_argument("--list-models", action="store_true", help="list model shapes and exit")
-    demo.add_argument("--prefill-tp", type=int, default=2)
-    demo.add_argument("--decode-tp", type=int, default=1)
-    demo.add_argument("--tokens", type=int, default=4096, help="prompt tokens of the request")
-    demo.add_argument("--page-size", type=int, default=64)
-    demo.add_argument("--json", metavar="PATH", help="also write the summary as JSON")
+    demo = sub.add_parser(
+        "demo", help="hand requests from a prefill process to a decode process and verify",
+        description="Start a bootstrap server, a prefill instance and a decode instance as "
+                    "separate processes, hand a batch of prompts over, and check every "
+                    "request decodes the same tokens as a colocated run.")
+    demo.add_argument("--model", default="qwen3_next",
+                      help="a named tiny model (see --list-models) or a local checkpoint dir")
+    demo.add_argument("--list-models", action="store_true", help="list models and exit")
+    demo.add_argument("--prefill-tp", type=int, default=2, help="prefill TP size (default 2)")
+    demo.add_argument("--decode-tp", type=int, default=1, help="decode TP size (default 1)")
+    demo.add_argument("--transport", default="tcp", help="transport backend (default tcp)")
+    demo.add_argument("--requests", type=int, default=4, help="prompts to hand off (default 4)")
+    demo.add_argument("--max-new-tokens", type=int, default=16,
+                      help="greedy tokens per request (default 16)")
+    demo.add_argument("--chunk", type=int, default=16, help="prefill chunk tokens (default 16)")
+    demo.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    demo.add_argument("--corrupt", metavar="COMPONENT", help=argparse.SUPPRESS)  # tests only
+    demo.add_argument("--layout-only", action="store_true",
+                      help="the in-memory, layouts-only check (no model, no processes)")
+    demo.add_argument("--tokens", type=int, default=4096,
+                      help="--layout-only: prompt tokens of the request")
+    demo.add_argument("--page-size", type=int, default=64, help="--layout-only: page size")
 
     boot = sub.add_parser("bootstrap", help="run the bootstrap (rendezvous) server")
     boot.add_argument("--host", default="0.0.0.0", help="address to bind (default 0.0.0.0)")
     boot.add_argument("--port", type=int, default=8998, help="port to bind (default 8998)")
+
+    bench = sub.add_parser("bench", help="run a benchmark; prints a table, writes JSON and a PNG")
+    bench.add_argument("name", choices=BENCHMARKS, help="which benchmark")
+    bench.add_argument("options", nargs=argparse.REMAINDER, help="its own flags, e.g. --quick")
 
     args = parser.parse_args(argv)
     if args.version:
@@ -38,6 +58,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvhandoff.demo import run_demo
 
         return run_demo(args)
+    if args.command == "bench":
+        import importlib
+
+        return int(importlib.import_module(f"kvhandoff.bench.{args.name}").main(args.options))
     if args.command == "bootstrap":
         from kvhandoff.session.bootstrap import serve
 

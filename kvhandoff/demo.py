@@ -1,149 +1,258 @@
-"""``kvhandoff demo``: a verified in-process handoff between two layouts of a hybrid model.
+"""``kvhandoff demo``: prefill and decode as separate processes, checked against colocated.
 
-Prefill and decode each register the pools of a hybrid model (full-attention KV,
-GDN linear-attention conv + SSM state, sliding-window KV, an aux row) at their own
-TP size; prefill ranks hold random bytes; the planner plans what every prefill rank
-writes into every decode rank, the in-memory executor runs it, and an independent,
-naive oracle (``kvhandoff.testing.oracle``) checks every destination byte.
-(The multi-process, real-model demo replaces this once the engine exists.)
+The parent starts a bootstrap server and two spawned engine processes
+(:mod:`kvhandoff.demo_worker`): a prefill instance at TP ``--prefill-tp`` and a decode
+instance at TP ``--decode-tp``, each rank an agent of the session layer over a real
+transport (``tcp`` by default). For every prompt, decode admits it (prefix cache,
+destinations), prefill runs it chunk by chunk and sends as it goes, decode rebuilds the
+cache from its pools and decodes ``--max-new-tokens`` greedily. The prefill process
+then decodes the same prompt *colocated* (plain HF, its own cache, same chunks). A
+request passes when the tokens are equal and decode's cache equals prefill's (per-tensor
+digests). The prompts cover: shorter than a page multiple, page-aligned, several
+chunks and longer than the sliding window, and a decode prefix-cache hit.
+
+``kvhandoff demo --layout-only`` runs the older layouts-only check
+(:mod:`kvhandoff.layout_demo`).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
+import multiprocessing as mp
+import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
 
-import numpy as np
-
-from kvhandoff.layout import Layout
-from kvhandoff.plan import Indices, Plan, plan
-from kvhandoff.plan.execute import HostMemory, execute
-from kvhandoff.shapes import SHAPES, LayerKind, ModelShape, layout_for, request_for
-from kvhandoff.testing.oracle import expected_writes
-
-HYBRID = ModelShape(
-    # A Qwen3-Next-style hybrid scaled to run in seconds: GDN layers with full and
-    # sliding-window attention layers between them.
-    name="hybrid",
-    layers=(LayerKind.GDN, LayerKind.GDN, LayerKind.SWA, LayerKind.ATTN) * 2,
-    kv_heads=4, head_dim=64, sliding_window=512,
-    linear_k_heads=4, linear_k_dim=64, linear_v_heads=8, linear_v_dim=64, conv_kernel=4,
+from kvhandoff.demo_worker import (
+    Decoded,
+    Failed,
+    Prefilled,
+    Ready,
+    WorkerSpec,
+    decode_main,
+    prefill_main,
+    prompt_plan,
 )
-MODELS = {"hybrid": HYBRID, **SHAPES}
+
+START_TIMEOUT_S = 300.0
+REQUEST_TIMEOUT_S = 300.0
+
+
+class DemoError(RuntimeError):
+    """A worker failed or stopped answering."""
 
 
 @dataclass(frozen=True, slots=True)
-class PairResult:
-    prefill_rank: int
-    decode_rank: int
-    nbytes: int
-    by_component: dict[str, int]
-    pieces: int
-    segments: int
-    coalesced: int
-    plan_ms: float
+class Row:
+    """One request's line of the table."""
 
+    rid: int
+    kind: str
+    prompt_tokens: int
+    pages: int
+    cached_tokens: int  # prefix-cache hit on decode (not transferred)
+    bytes_by_component: dict[str, int]
+    transfer_ms: float
+    tokens: list[int]
+    colocated: list[int]
+    state_equal: bool
+    problem: str
 
-@dataclass(frozen=True, slots=True)
-class Summary:
-    model: str
-    tokens: int
-    page_size: int
-    prefill_tp: int
-    decode_tp: int
-    components: list[str]
-    pairs: list[PairResult]
-    verified_bytes: int
-    mismatched_bytes: int
+    @property
+    def nbytes(self) -> int:
+        return sum(self.bytes_by_component.values())
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / (self.transfer_ms * 1e6) if self.transfer_ms > 0 else 0.0
 
     @property
     def ok(self) -> bool:
-        return self.mismatched_bytes == 0 and self.verified_bytes == sum(
-            p.nbytes for p in self.pairs)
+        return self.tokens == self.colocated and self.state_equal and not self.problem
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    """The demo's settings (from the command line)."""
+
+    model: str = "qwen3_next"
+    prefill_tp: int = 2
+    decode_tp: int = 1
+    transport: str = "tcp"
+    requests: int = 4
+    max_new_tokens: int = 16
+    chunk: int = 16
+    corrupt: str | None = None
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    """``kvhandoff demo``: 0 when every request matches its colocated run."""
+    if getattr(args, "layout_only", False):
+        from kvhandoff.layout_demo import run_layout_demo
+
+        return run_layout_demo(args)
     if args.list_models:
-        print("\n".join(MODELS))
+        print(list_models())
         return 0
-    summary = handoff(MODELS[args.model], prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
-                      tokens=args.tokens, page_size=args.page_size)
-    print(render(summary))
+    opts = Options(model=args.model, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
+                   transport=args.transport, requests=args.requests,
+                   max_new_tokens=args.max_new_tokens, chunk=args.chunk, corrupt=args.corrupt)
+    t0 = time.perf_counter()
+    print(header(opts), flush=True)
+    try:
+        rows = run(opts, progress=lambda r: print(progress_line(r), flush=True))
+    except DemoError as e:
+        print(f"demo failed: {e}", file=sys.stderr)
+        return 2
+    print(render(rows, time.perf_counter() - t0))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dataclasses.asdict(summary) | {"ok": summary.ok}, f, indent=2)
-    return 0 if summary.ok else 1
+        write_json(args.json, opts, rows)
+    return 0 if rows and all(r.ok for r in rows) else 1
 
 
-def handoff(shape: ModelShape, *, prefill_tp: int, decode_tp: int, tokens: int,
-            page_size: int, seed: int = 0) -> Summary:
-    """Hand one request of ``tokens`` tokens from every prefill rank to every decode rank,
-    and check every destination byte against the oracle."""
-    rng = np.random.default_rng(seed)
+def list_models() -> str:
+    """The named tiny architectures (``--model`` also takes a local checkpoint dir)."""
+    from kvhandoff.engine.models import ARCHITECTURES
 
-    def side(tp: int, rank: int, fill: bool) -> tuple[Layout, HostMemory]:
-        mem = HostMemory()
-
-        def alloc(nbytes: int) -> int:
-            if fill:
-                return mem.add(rng.integers(0, 256, nbytes, dtype=np.uint8))
-            return mem.add(np.zeros(nbytes, dtype=np.uint8))
-
-        lay = layout_for(shape, tp_rank=rank, tp_size=tp, page_size=page_size,
-                         num_pages=-(-tokens // page_size) + 2, num_slots=4, alloc=alloc)
-        return lay, mem
-
-    prefill = [side(prefill_tp, r, True) for r in range(prefill_tp)]
-    decode = [side(decode_tp, r, False) for r in range(decode_tp)]
-    pairs: list[PairResult] = []
-    checked = bad = 0
-    for d_lay, d_mem in decode:
-        request = request_for(shape, prefill[0][0], d_lay, tokens, seed=seed)
-        for s_lay, s_mem in prefill:
-            p, ms = _timed_plan(s_lay, d_lay, request)
-            execute(p, s_mem, d_mem)
-            pairs.append(PairResult(s_lay.tp_rank, d_lay.tp_rank, p.nbytes, p.by_component(),
-                                    p.num_pieces, len(p.flatten()), len(p.coalesce()), ms))
-        want = expected_writes([s for s, _ in prefill], d_lay, request)
-        got = d_mem.read(want.dst)
-        for i, (_, s_mem) in enumerate(prefill):
-            mask = want.layout == i
-            bad += int(np.count_nonzero(got[mask] != s_mem.read(want.src[mask])))
-        checked += len(want)
-    return Summary(shape.name, tokens, page_size, prefill_tp, decode_tp,
-                   [c.name for c in prefill[0][0].components], pairs, checked, bad)
+    width = max(map(len, ARCHITECTURES))
+    return "\n".join(f"{a.name:<{width}}  {a.about}" for a in ARCHITECTURES.values())
 
 
-def _timed_plan(src: Layout, dst: Layout, request: dict[str, Indices | None]
-                ) -> tuple[Plan, float]:
-    p = plan(src, dst, request)  # the first call also pairs the layouts (cached)
-    times = []
-    for _ in range(9):
-        t0 = time.perf_counter()
-        p = plan(src, dst, request)
-        times.append(time.perf_counter() - t0)
-    return p, float(np.median(times) * 1e3)
+def run(opts: Options, progress: Callable[[Row], None] | None = None) -> list[Row]:
+    """Start the bootstrap server and both engine processes, hand every prompt off and
+    return one :class:`Row` per request (in order, ``progress`` called as each ends)."""
+    from kvhandoff.session.bootstrap import BootstrapServer
+
+    with BootstrapServer() as srv:
+        spec = WorkerSpec(model=opts.model, tp=opts.prefill_tp, chunk=opts.chunk,
+                          bootstrap_url=srv.url, transport=opts.transport,
+                          requests=opts.requests, max_new_tokens=opts.max_new_tokens)
+        d_spec = WorkerSpec(**(asdict(spec) | {"tp": opts.decode_tp, "corrupt": opts.corrupt}))
+        with _worker(prefill_main, spec) as (pre, ready), _worker(decode_main, d_spec) as (
+                dec, _):
+            prompts = prompt_plan(opts.requests, ready.page_size, opts.chunk, ready.window,
+                                  ready.vocab)
+            rows = []
+            for rid, (kind, tokens) in enumerate(prompts):
+                row = _handoff(pre, dec, rid, kind, tokens)
+                rows.append(row)
+                if progress is not None:
+                    progress(row)
+            return rows
 
 
-def render(s: Summary) -> str:
-    lines = [
-        f"kvhandoff demo — {s.model}: {s.tokens} tokens, page {s.page_size}, "
-        f"prefill TP {s.prefill_tp} → decode TP {s.decode_tp}",
-        f"components: {', '.join(s.components)}",
-        f"{'P→D':>5}  {'bytes per component':<50} {'pieces':>6} {'segments':>9} "
-        f"{'coalesced':>9} {'plan ms':>8}",
-    ]
-    for r in s.pairs:
-        comps = " ".join(f"{k}={_size(v)}" for k, v in r.by_component.items())
-        lines.append(f"{r.prefill_rank:>2}→{r.decode_rank:<2}  {comps:<50} {r.pieces:>6} "
-                     f"{r.segments:>9} {r.coalesced:>9} {r.plan_ms:>8.3f}")
-    verdict = (f"all {s.verified_bytes} destination bytes match the oracle ✓" if s.ok
-               else f"{s.mismatched_bytes} of {s.verified_bytes} bytes WRONG ✗")
-    lines.append(f"moved {_size(sum(r.nbytes for r in s.pairs))}: {verdict}")
+@contextmanager
+def _worker(target: Callable[[Connection, WorkerSpec], None], spec: WorkerSpec
+            ) -> Iterator[tuple[Connection, Ready]]:
+    """A spawned engine process and its pipe, until it has started; stopped on exit."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(child, spec), daemon=True)
+    proc.start()
+    child.close()
+    try:
+        ready = _recv(parent, START_TIMEOUT_S, f"{target.__name__} start")
+        if not isinstance(ready, Ready):
+            raise DemoError(f"{target.__name__}: unexpected {ready!r}")
+        yield parent, ready
+    finally:
+        with suppress(OSError):
+            parent.send(None)
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        parent.close()
+
+
+def _recv(conn: Connection, timeout: float, what: str) -> object:
+    """The next message, raising :class:`DemoError` on a failure, a timeout or a dead
+    worker."""
+    try:
+        if not conn.poll(timeout):
+            raise DemoError(f"{what}: no answer in {timeout:.0f} s")
+        msg = conn.recv()
+    except (EOFError, OSError) as e:
+        raise DemoError(f"{what}: worker exited ({type(e).__name__})") from e
+    if isinstance(msg, Failed):
+        raise DemoError(msg.error)
+    return msg
+
+
+def _handoff(pre: Connection, dec: Connection, rid: int, kind: str, tokens: list[int]) -> Row:
+    """One request: decode admits, prefill runs and sends, decode finishes; compare."""
+    dec.send(("admit", rid, tokens))
+    if _recv(dec, REQUEST_TIMEOUT_S, f"decode admit {rid}") != "admitted":
+        raise DemoError(f"decode admit {rid}: unexpected answer")
+    pre.send((rid, tokens))
+    dec.send(("finish", rid, tokens))
+    p = _recv(pre, REQUEST_TIMEOUT_S, f"prefill {rid}")
+    colocated = _recv(pre, REQUEST_TIMEOUT_S, f"colocated {rid}")
+    d = _recv(dec, REQUEST_TIMEOUT_S, f"decode {rid}")
+    if not (isinstance(p, Prefilled) and isinstance(d, Decoded) and isinstance(colocated, list)):
+        raise DemoError(f"request {rid}: unexpected answers {p!r}, {d!r}")
+    return Row(rid=rid, kind=kind, prompt_tokens=len(tokens), pages=d.pages,
+               cached_tokens=d.prefix_len, bytes_by_component=d.bytes_by_component,
+               transfer_ms=p.transfer_s * 1e3, tokens=d.tokens, colocated=colocated,
+               state_equal=bool(d.digest) and d.digest == p.digest, problem=d.problem)
+
+
+# -- output -------------------------------------------------------------------------------
+def header(opts: Options) -> str:
+    return (f"kvhandoff demo — {opts.model}: prefill TP {opts.prefill_tp} → decode TP "
+            f"{opts.decode_tp} over {opts.transport}, {opts.requests} requests, "
+            f"chunk {opts.chunk}, {opts.max_new_tokens} new tokens each"
+            + (f", corrupting {opts.corrupt!r}" if opts.corrupt else ""))
+
+
+def progress_line(r: Row) -> str:
+    return (f"  request {r.rid} ({r.kind}, {r.prompt_tokens} tokens): "
+            f"{_size(r.nbytes)} in {r.transfer_ms:.1f} ms, "
+            + ("tokens equal ✓" if r.ok else f"MISMATCH ✗ {_why(r)}"))
+
+
+def render(rows: list[Row], wall_s: float) -> str:
+    """The results table and a verdict line."""
+    comps = sorted({c for r in rows for c in r.bytes_by_component},
+                   key=lambda c: (c == "aux", c))
+    head = (f"{'req':>3} {'kind':<11} {'tokens':>6} {'pages':>9} "
+            + " ".join(f"{c:>9}" for c in comps)
+            + f" {'total':>9} {'ms':>7} {'GB/s':>6}  equal")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        pages = f"{r.pages}" + (f" ({r.cached_tokens}c)" if r.cached_tokens else "")
+        lines.append(
+            f"{r.rid:>3} {r.kind:<11} {r.prompt_tokens:>6} {pages:>9} "
+            + " ".join(f"{_size(r.bytes_by_component.get(c, 0)):>9}" for c in comps)
+            + f" {_size(r.nbytes):>9} {r.transfer_ms:>7.1f} {r.gbps:>6.3f}  "
+            + ("✓" if r.ok else "✗"))
+    bad = [r for r in rows if not r.ok]
+    lines.append("(pages: KV pages on decode; Nc: tokens already in decode's prefix cache; "
+                 "ms: prefill time in send + settle)")
+    lines.append(f"{len(rows) - len(bad)}/{len(rows)} requests decode the same tokens as "
+                 f"colocated with identical caches {'✓' if not bad else '✗'} "
+                 f"({wall_s:.1f} s)")
+    lines += [f"  request {r.rid}: {_why(r)}" for r in bad]
     return "\n".join(lines)
+
+
+def _why(r: Row) -> str:
+    if r.problem:
+        return r.problem
+    if r.tokens != r.colocated:
+        return f"tokens {r.tokens} vs colocated {r.colocated}"
+    return "decode's cache differs from prefill's"
+
+
+def write_json(path: str, opts: Options, rows: list[Row]) -> None:
+    data = {"options": asdict(opts), "ok": bool(rows) and all(r.ok for r in rows),
+            "requests": [asdict(r) | {"ok": r.ok, "gbps": r.gbps} for r in rows]}
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2)
 
 
 def _size(n: float) -> str:
@@ -152,3 +261,4 @@ def _size(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GiB"
+
