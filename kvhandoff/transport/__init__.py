@@ -27,6 +27,7 @@ from kvhandoff.transport.errors import (
 from kvhandoff.transport.registry import (
     available_transports,
     create_transport,
+    describe_transports,
     register_transport,
     transport_class,
     transport_names,
@@ -51,6 +52,7 @@ __all__ = [
     "TransportUnavailable",
     "available_transports",
     "create_transport",
+    "describe_transports",
     "register_transport",
     "transport_class",
     "transport_names",

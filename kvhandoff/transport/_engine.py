@@ -1,5 +1,9 @@
 """What the engine adapters (``mooncake``, ``nixl``) share.
 
+* :class:`EngineTransport` / :class:`EnginePeer`: the contract around an engine, once:
+  source and destination bounds checks at submit, endpoints and connects, the choice
+  between the engine's own path and staging (:mod:`kvhandoff.transport.staging`) for
+  fragmented plans, and close order. Adapters implement the engine calls.
 * :class:`EngineEndpoint`: the bytes one side hands the other, versioned, carrying the
   engine address and the table of regions the side registered, so the *initiator*
   refuses a write outside the peer's memory before the engine sees it.
@@ -13,21 +17,35 @@
 
 from __future__ import annotations
 
+import abc
 import base64
+import contextlib
+import importlib.metadata
+import importlib.util
 import json
 import logging
+import os
 import threading
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import numpy as np
 
+from kvhandoff.errors import OutOfBounds
 from kvhandoff.layout import MemoryKind, Region
 from kvhandoff.plan.model import Plan, Segments
-from kvhandoff.transport.base import Handle, TransferState
-from kvhandoff.transport.errors import ConnectError
-from kvhandoff.transport.regions import RegionTable
+from kvhandoff.transport.base import Availability, Handle, Peer, TransferState, Transport
+from kvhandoff.transport.errors import ConnectError, RemoteOutOfBounds, TransportClosed
+from kvhandoff.transport.regions import RegionTable, plan_side_problem
+from kvhandoff.transport.staging import (
+    StagedHandle,
+    Staging,
+    StagingConfig,
+    StagingLink,
+    host_regions,
+)
 
 log = logging.getLogger("kvhandoff.transport")
 
@@ -222,3 +240,232 @@ class Progress:
         except BaseException as e:  # report, never die silently
             log.exception("transport progress thread %s crashed", self._thread.name)
             self._on_crash(e)
+
+
+_env_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def applied_env(env: Mapping[str, str]) -> Iterator[None]:
+    """Set ``env`` around an engine's construction (engines read their environment
+    then), under one process-wide lock, and restore the previous values afterwards."""
+    with _env_lock:
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+def probe_package(*, module: str, distribution: str, hint: str, load: Callable[[], None],
+                  detail: str = "") -> Availability:
+    """Whether ``module`` (from the ``distribution`` wheel) is installed and ``load()``
+    (which imports it, raising ImportError with the reason) succeeds: the reason names
+    the version when it does, what is missing and ``hint`` (how to install) when not."""
+    if importlib.util.find_spec(module) is None:
+        return Availability(False, f"{distribution} is not installed: {hint}")
+    try:
+        load()
+    except ImportError as e:
+        return Availability(False, f"{module} does not load ({e}): {hint}")
+    try:
+        v = importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        v = "?"
+    return Availability(True, f"{distribution} {v}{detail}")
+
+
+class CachedAvailability:
+    """``probe()`` run once, on first use, then remembered (thread-safe)."""
+
+    def __init__(self, probe: Callable[[], Availability]) -> None:
+        self._probe = probe
+        self._value: Availability | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self) -> Availability:
+        with self._lock:
+            if self._value is None:
+                self._value = self._probe()
+            return self._value
+
+
+class EnginePeer(Peer):
+    """A connection to one engine transport: the regions it advertised (destinations
+    are checked against them here, before the engine sees a request) and its staging
+    link (None: every plan goes through the engine directly). ``close`` is
+    idempotent: it closes the link, then lets the transport fail what is pending."""
+
+    def __init__(self, endpoint: bytes, name: str, table: RegionTable,
+                 on_close: Callable[[EnginePeer], None]) -> None:
+        super().__init__(endpoint, name)
+        self.table = table
+        self.host_table = host_regions(table)
+        self.link: StagingLink | None = None
+        self._closed = False
+        self._on_close = on_close
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.link is not None:
+            self.link.close()
+        self._on_close(self)
+
+
+class EngineTransport(Transport):
+    """Base of the engine adapters. Subclasses implement the engine calls
+    (``_engine_register``, ``_describe``, ``_connect_engine``, ``_submit_segments``,
+    ``_step``, ``_crashed``, ``_close_engine``), set ``peer_type``, and start
+    ``self._progress`` (a :class:`Progress` over ``_step``) once the engine exists.
+
+    ``self._all`` holds every region registered through :meth:`register` (device
+    memory included), for source checks and the endpoint's region table; memory that
+    staging registers with the engine is in neither. Options every engine takes:
+    ``host`` (the address peers reach this side's control channel at), ``io_timeout``,
+    ``connect_timeout`` and ``staging`` (``True``: :attr:`staging_defaults`;
+    ``False``: off; or a :class:`~kvhandoff.transport.staging.StagingConfig`)."""
+
+    peer_type: ClassVar[type[EnginePeer]]
+    staging_defaults: ClassVar[StagingConfig] = StagingConfig()
+    _progress: Progress  # started by the subclass once its engine exists
+
+    def __init__(self, *, host: str, io_timeout: float, connect_timeout: float,
+                 staging: StagingConfig | bool) -> None:
+        super().__init__()
+        self._io_timeout, self._connect_timeout = io_timeout, connect_timeout
+        self._all = RegionTable()  # every registered region, device memory included
+        config = staging if isinstance(staging, StagingConfig) else replace(
+            self.staging_defaults, enabled=bool(staging))
+        if not config.enabled:  # head slices would go one request per row
+            self.capabilities = replace(self.capabilities, strided=False)  # type: ignore[misc]
+        self._staging = Staging(self.name, config, register=self._register_staging,
+                                write=self._write, wait=self.wait, table=lambda: self.local,
+                                host=host, io_timeout=io_timeout,
+                                connect_timeout=connect_timeout)
+
+    # --- what an adapter implements -------------------------------------------------
+
+    @abc.abstractmethod
+    def _engine_register(self, regions: list[Region]) -> None:
+        """Register these regions with the engine (raise ValueError naming the region
+        if it refuses); they are deregistered by ``_close_engine``."""
+
+    @abc.abstractmethod
+    def _describe(self) -> tuple[str, bytes, tuple[tuple[str, str], ...]]:
+        """``(address, blob, options)`` for this side's endpoint (after staging
+        registered its arena, so engine metadata in ``blob`` includes it)."""
+
+    @abc.abstractmethod
+    def _connect_engine(self, ep: EngineEndpoint, raw: bytes) -> EnginePeer:
+        """Reach the peer through the engine (bounded; ConnectError if it cannot)."""
+
+    @abc.abstractmethod
+    def _submit_segments(self, peer: EnginePeer, segs: Segments, nbytes: int, *,
+                         host_only: bool) -> Handle:
+        """Start writing ``segs`` (validated; each inside one region both sides) to
+        ``peer``. ``host_only``: both sides are staging buffers (host memory outside
+        ``self._all`` and ``peer.table``)."""
+
+    @abc.abstractmethod
+    def _step(self) -> tuple[bool, bool]:
+        """Poll the engine once: ``(progressed, busy)`` (see :class:`Progress`)."""
+
+    @abc.abstractmethod
+    def _crashed(self, exc: BaseException) -> None:
+        """The progress thread died: fail everything pending."""
+
+    @abc.abstractmethod
+    def _close_engine(self) -> None:
+        """Fail what is pending, let posted requests finish (bounded), stop the
+        progress thread, deregister memory and drop the engine."""
+
+    # --- registration & endpoints ---------------------------------------------------
+
+    def _register_regions(self, regions: list[Region]) -> None:
+        self._engine_register(regions)
+        self._all = add_regions(self._all, regions)
+
+    def _register_staging(self, region: Region) -> None:
+        with self._reg_lock:
+            self._check_open()
+            self._engine_register([region])
+
+    def check_sources(self, plan: Plan) -> None:
+        problem = plan_side_problem(plan, self._all, "src")
+        if problem is not None:
+            raise OutOfBounds(f"{self.name}: {problem} of this side")
+
+    def endpoint(self) -> bytes:
+        self._check_open()
+        staging = self._staging.advertise()
+        address, blob, options = self._describe()
+        return EngineEndpoint(kind=self.name, address=address,
+                              regions=describe_regions(self._all.regions),
+                              options=options + staging, blob=blob).encode()
+
+    def connect(self, peer_endpoint: bytes) -> EnginePeer:
+        self._check_open()
+        ep = EngineEndpoint.decode(peer_endpoint, self.name)
+        peer = self._connect_engine(ep, peer_endpoint)
+        try:
+            peer.link = self._staging.connect(dict(ep.options), peer)
+        except BaseException:
+            peer.close()
+            raise
+        return peer
+
+    # --- the data path ---------------------------------------------------------------
+
+    def submit(self, peer: Peer, plan: Plan) -> Handle:
+        self._check_open()
+        if not isinstance(peer, self.peer_type):
+            raise TypeError(f"{self.name} transport cannot submit to {peer!r}")
+        if peer.closed:
+            raise TransportClosed(f"peer {peer.name} is closed")
+        self.check_sources(plan)
+        nbytes = plan.nbytes
+        if not nbytes:
+            return Handle.completed(peer=peer.name)
+        problem = plan_side_problem(plan, peer.table, "dst")
+        if problem is not None:
+            h = Handle(nbytes=nbytes, peer=peer.name)
+            h.set_failed(RemoteOutOfBounds(f"{peer.name} refused the write: {problem}"))
+            return h
+        if peer.link is not None and self._staging.wants(plan, peer.host_table):
+            return peer.link.submit(plan)
+        return self._submit_segments(peer, engine_segments(plan, self._all, peer.table),
+                                     nbytes, host_only=False)
+
+    def _write(self, peer: Peer, src: int, dst: int, nbytes: int) -> Handle:
+        """One engine write between two staging buffers (for :class:`StagingLink`)."""
+        assert isinstance(peer, EnginePeer)
+        one = np.array([nbytes], np.int64)
+        return self._submit_segments(peer, Segments(np.array([src], np.int64),
+                                                    np.array([dst], np.int64), one),
+                                     nbytes, host_only=True)
+
+    def wait(self, handle: Handle, timeout: float) -> TransferState:
+        """Block until final or ``timeout``, polling the engine from this thread
+        (staged handles complete from the link's threads: just wait)."""
+        if isinstance(handle, StagedHandle):
+            return handle.wait(timeout)
+        return self._progress.wait(handle, timeout)
+
+    @property
+    def staging(self) -> StagingConfig:
+        return self._staging.config
+
+    def _close(self) -> None:
+        self._staging.close()  # links first: their engine writes finish or fail
+        self._close_engine()

@@ -77,3 +77,25 @@ def create_transport(name: str = DEFAULT, **options: Any) -> Transport:
     if not ok:
         raise TransportUnavailable(f"transport {name!r} is not usable here: {reason}")
     return cls(**options)
+
+
+def describe_transports() -> list[str]:
+    """One line per known transport, for ``kvhandoff transports``: its name, whether it
+    can run here, and why: the engine version when it can, what is missing and how to
+    install it when it cannot. Capabilities follow in brackets. Never raises."""
+    lines = []
+    for name, (ok, reason) in available_transports().items():
+        notes = ["default"] if name == DEFAULT else []
+        if ok:
+            try:
+                caps = transport_class(name).capabilities
+            except TransportUnavailable:
+                caps = None
+            if caps is not None:
+                notes.append("cross-host" if caps.cross_host else
+                             "same host" if caps.cross_process else "in-process")
+                if caps.needs_allocate:
+                    notes.append("destinations from allocate()")
+        tail = f"  [{', '.join(notes)}]" if notes else ""
+        lines.append(f"{name:<9} {'usable' if ok else 'NOT usable':<10}  {reason}{tail}")
+    return lines

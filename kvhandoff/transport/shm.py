@@ -20,16 +20,13 @@ reconnect (the base contract's ordering rule).
 
 from __future__ import annotations
 
-import contextlib
 import json
-import logging
 import os
 import queue
 import secrets
 import socket
 import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -38,33 +35,19 @@ import numpy as np
 
 from kvhandoff.layout import Region
 from kvhandoff.plan.model import Plan, TensorPlan
-from kvhandoff.transport.base import (
-    Availability,
-    Capabilities,
-    Handle,
-    Peer,
-    TransferState,
-    Transport,
-)
+from kvhandoff.transport._served import ServedTransport, WorkerPeer, recv_reply, shut
+from kvhandoff.transport.base import Availability, Capabilities, Handle, TransferState
 from kvhandoff.transport.errors import (
     ConnectError,
-    PeerLost,
     ProtocolError,
     RemoteOutOfBounds,
-    TransferFailed,
-    TransportClosed,
-    TransportError,
 )
 from kvhandoff.transport.regions import U8, RegionTable, plan_side_problem
 from kvhandoff.transport.shm_arena import Arenas, map_fd
 from kvhandoff.transport.shm_server import MAX_FDS, ShmServer
-from kvhandoff.transport.tcp_io import recv_exact, recv_header
-from kvhandoff.transport.tcp_wire import HEADER, Header, Kind, Status
+from kvhandoff.transport.tcp_io import recv_exact
+from kvhandoff.transport.tcp_wire import HEADER, Header, Kind, Status, reply_error
 from kvhandoff.transport.views import copy_entry, split_work
-
-log = logging.getLogger(__name__)
-
-_JOIN_S = 5.0
 
 
 def host_id() -> str:
@@ -90,7 +73,7 @@ class _Job:
         self.sent_at: float | None = None
 
 
-class ShmPeer(Peer):
+class ShmPeer(WorkerPeer):
     """Thread-safe. One copier thread (copies, then COMMITs) and one reader thread."""
 
     def __init__(self, endpoint: bytes, *, address: str, token: str, io_timeout: float,
@@ -100,9 +83,6 @@ class ShmPeer(Peer):
         self._pool, self._pool_size = pool, pool_size
         self._io_timeout = io_timeout
         self._local = table
-        self._lock = threading.Lock()
-        self._error: TransportError | None = None
-        self._jobs: set[_Job] = set()
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._inflight: deque[_Job] = deque()
         self._seq = 0
@@ -159,30 +139,9 @@ class ShmPeer(Peer):
         job: _Job
         handle = Handle(nbytes=plan.nbytes, peer=self.name, on_release=lambda h: self._forget(job))
         job = _Job(handle, plan)
-        with self._lock:
-            if isinstance(self._error, TransportClosed):
-                raise TransportClosed(f"peer {self.name} is closed")
-            if self._error is not None:
-                handle.set_failed(self._error)
-                return handle
-            self._jobs.add(job)
-        self._queue.put(job)
+        if self._track(job):
+            self._queue.put(job)
         return handle
-
-    def _forget(self, job: _Job) -> None:
-        with self._lock:
-            self._jobs.discard(job)
-
-    def _guard(self, loop: Callable[[], None]) -> None:
-        try:
-            loop()
-        except (OSError, EOFError) as e:
-            self._fail(PeerLost(f"lost {self.name}: {type(e).__name__}: {e}"))
-        except TransportError as e:
-            self._fail(e)
-        except Exception as e:
-            log.exception("shm peer %s: internal error in a worker thread", self.name)
-            self._fail(TransferFailed(f"internal error copying to {self.name}: {e!r}"))
 
     def _copy_loop(self) -> None:
         while True:
@@ -221,54 +180,34 @@ class ShmPeer(Peer):
 
     def _read_loop(self) -> None:
         buf = bytearray(HEADER.size)
+
+        def oldest() -> float | None:
+            return self._inflight[0].sent_at if self._inflight else None
+
         while self._error is None:
-            if not recv_header(self._sock, memoryview(buf), idle_ok=True):
-                oldest = self._inflight[0] if self._inflight else None
-                if oldest is not None and oldest.sent_at is not None and \
-                        time.monotonic() - oldest.sent_at > self._io_timeout:
-                    raise PeerLost(f"{self.name} did not acknowledge within {self._io_timeout}s")
+            got = recv_reply(self._sock, buf, self.name, oldest, self._io_timeout)
+            if got is None:
                 continue
-            h = Header.unpack(buf)
-            body = bytearray(min(h.desc_len, 4096))
-            recv_exact(self._sock, memoryview(body))
-            if h.kind is not Kind.REPLY or not self._inflight or self._inflight[0].seq != h.seq:
+            h, message = got
+            if not self._inflight or self._inflight[0].seq != h.seq:
                 raise ProtocolError(f"{self.name} sent an unexpected reply (seq {h.seq})")
             job = self._inflight.popleft()
             if h.code == Status.OK:
                 job.handle.set_done()
             else:
-                job.handle.set_failed(TransferFailed(
-                    f"{self.name} answered {h.code}: {body.decode(errors='replace')}"))
+                job.handle.set_failed(reply_error(h.code, message, self.name))
             self._forget(job)
 
-    def _fail(self, error: TransportError) -> None:
-        with self._lock:
-            if self._error is not None:
-                return
-            self._error = error
-            jobs = list(self._jobs)
-            self._jobs.clear()
-        for j in jobs:
-            j.handle.set_failed(error)
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
+    def _wake(self) -> None:
+        shut(self._sock)
         self._queue.put(None)
 
-    @property
-    def closed(self) -> bool:
-        return self._error is not None
-
-    def close(self) -> None:
-        self._fail(TransportClosed(f"peer {self.name} was closed"))
-        me = threading.current_thread()
-        for t in self._threads:
-            if t is not me:
-                t.join(_JOIN_S)
+    def _release(self) -> None:
         self._sock.close()
         self.remote = RegionTable()  # unmaps once the last view is gone
 
 
-class ShmTransport(Transport):
+class ShmTransport(ServedTransport):
     """Same-host transport. Destinations must be allocated with :meth:`allocate`;
     sources may be any registered host memory. Options: ``io_timeout`` (default 30 s),
     ``connect_timeout`` (default 5 s), ``copy_threads`` (threads sharing one transfer's
@@ -276,6 +215,7 @@ class ShmTransport(Transport):
 
     name = "shm"
     capabilities = Capabilities(strided=True, cross_host=False, needs_allocate=True)
+    peer_type = ShmPeer
 
     def __init__(self, *, io_timeout: float = 30.0, connect_timeout: float = 5.0,
                  copy_threads: int = 2) -> None:
@@ -289,9 +229,6 @@ class ShmTransport(Transport):
         self._io_timeout, self._connect_timeout = io_timeout, connect_timeout
         self._token = secrets.token_hex(16)
         self._arenas = Arenas(self._token[:8])
-        self._lock = threading.Lock()
-        self._server: ShmServer | None = None
-        self._peers: weakref.WeakSet[ShmPeer] = weakref.WeakSet()
 
     @classmethod
     def usable(cls) -> Availability:
@@ -330,30 +267,12 @@ class ShmTransport(Transport):
         if host != host_id():
             raise ConnectError("the shm transport only reaches peers on this host "
                                f"(peer boot id {host}, ours {host_id()}); use tcp")
-        peer = ShmPeer(peer_endpoint, address="\0" + str(address), token=str(token),
-                       io_timeout=self._io_timeout, connect_timeout=self._connect_timeout,
-                       table=self._table, pool=self._pool, pool_size=self._pool_size)
-        with self._lock:
-            if self.closed:
-                peer.close()
-                self._check_open()
-            self._peers.add(peer)
-        return peer
-
-    def submit(self, peer: Peer, plan: Plan) -> Handle:
-        self._check_open()
-        if not isinstance(peer, ShmPeer):
-            raise TypeError(f"shm transport cannot submit to {peer!r}")
-        self.check_sources(plan)
-        return peer.submit(plan)
+        return self._adopt(ShmPeer(
+            peer_endpoint, address="\0" + str(address), token=str(token),
+            io_timeout=self._io_timeout, connect_timeout=self._connect_timeout,
+            table=self._table, pool=self._pool, pool_size=self._pool_size))
 
     def _close(self) -> None:
-        with self._lock:
-            server, self._server = self._server, None
-            peers = list(self._peers)
-        for p in peers:
-            p.close()
-        if server is not None:
-            server.close()
+        super()._close()
         self._pool.shutdown(wait=True)
         self._arenas.close()

@@ -12,68 +12,36 @@ nothing raises out of a serving thread. Idle connections block in ``recv``.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import logging
 import socket
-import threading
 
+from kvhandoff.transport._served import ThreadedServer
 from kvhandoff.transport.errors import ProtocolError
 from kvhandoff.transport.shm_arena import Arenas
 from kvhandoff.transport.tcp_io import recv_exact, recv_header
 from kvhandoff.transport.tcp_wire import HEADER, Header, Kind, Status
 
-log = logging.getLogger(__name__)
-
-_JOIN_S = 5.0
 MAX_FDS = 250  # below SCM_MAX_FD (253)
 
 
-class ShmServer:
+class ShmServer(ThreadedServer):
     """Accepts peers on an abstract Unix socket; answers HELLO with the arenas and each
     COMMIT with a REPLY. One thread per connection; a bad frame drops the connection."""
 
     def __init__(self, address: str, token: bytes, arenas: Arenas, io_timeout: float) -> None:
         self.address, self.token, self.arenas, self.io_timeout = address, token, arenas, io_timeout
-        self._lock = threading.Lock()
-        self._closing = False
-        self._conns: dict[socket.socket, threading.Thread] = {}
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(address)
-        self._listener.listen(64)
-        self._accepter = threading.Thread(target=self._accept_loop, daemon=True,
-                                          name="kvh-shm-accept")
-        self._accepter.start()
-
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            with self._lock:
-                if self._closing:
-                    conn.close()
-                    return
-                t = threading.Thread(target=self._serve, args=(conn,), daemon=True,
-                                     name="kvh-shm-serve")
-                self._conns[conn] = t
-            t.start()
-
-    def _serve(self, conn: socket.socket) -> None:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            conn.settimeout(self.io_timeout)
-            self._loop(conn)
-        except (OSError, EOFError) as e:
-            log.debug("shm server: connection ended: %s", e)
-        except ProtocolError as e:
-            log.warning("shm server: dropping connection after a malformed frame: %s", e)
-        except Exception:  # never let a serving thread die silently
-            log.exception("shm server: internal error; connection dropped")
-        finally:
-            with self._lock:
-                self._conns.pop(conn, None)
-            conn.close()
+            listener.bind(address)
+            listener.listen(64)
+        except BaseException:
+            listener.close()
+            raise
+        super().__init__(listener, "shm")
+
+    def serve(self, conn: socket.socket) -> None:
+        conn.settimeout(self.io_timeout)
+        self._loop(conn)
 
     def _loop(self, conn: socket.socket) -> None:
         hdr = bytearray(HEADER.size)
@@ -108,27 +76,6 @@ class ShmServer:
         msg = Header(Kind.REPLY, Status.OK, seq, len(body), 0).pack() + body
         socket.send_fds(conn, [msg[:HEADER.size]], fds)  # fds ride on the header bytes
         conn.sendall(msg[HEADER.size:])
-
-    @property
-    def closing(self) -> bool:
-        return self._closing
-
-    def close(self) -> None:
-        with self._lock:
-            if self._closing:
-                return
-            self._closing = True
-            conns = dict(self._conns)
-        with contextlib.suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)
-        self._listener.close()
-        for c in conns:
-            with contextlib.suppress(OSError):
-                c.shutdown(socket.SHUT_RDWR)
-        self._accepter.join(_JOIN_S)
-        for t in conns.values():
-            t.join(_JOIN_S)
-
 
 
 def _reply(conn: socket.socket, seq: int, status: Status, body: bytes) -> None:

@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import json
 import secrets
-import threading
-import weakref
 
-from kvhandoff.plan.model import Plan
-from kvhandoff.transport.base import Capabilities, Handle, Peer, Transport
+from kvhandoff.transport._served import ServedTransport
+from kvhandoff.transport.base import Capabilities
 from kvhandoff.transport.errors import ConnectError
 from kvhandoff.transport.regions import RegionTable
 from kvhandoff.transport.tcp_client import TcpPeer
@@ -31,11 +29,12 @@ ENDPOINT_KIND = "tcp"
 ENDPOINT_VERSION = 1
 
 
-class TcpTransport(Transport):
+class TcpTransport(ServedTransport):
     """Thread-safe (see the base contract). Peers are closed with the transport."""
 
     name = "tcp"
     capabilities = Capabilities(strided=True)
+    peer_type = TcpPeer
 
     def __init__(self, *, host: str = "127.0.0.1", port: int = 0, connections: int = 2,
                  frame_bytes: int = 4 << 20, io_timeout: float = 30.0,
@@ -55,9 +54,6 @@ class TcpTransport(Transport):
         self._io_timeout = io_timeout
         self._connect_timeout = connect_timeout
         self._token = secrets.token_hex(16)
-        self._lock = threading.Lock()
-        self._server: TcpServer | None = None
-        self._peers: weakref.WeakSet[TcpPeer] = weakref.WeakSet()
 
     def _table(self) -> RegionTable:
         """The current registrations (an immutable snapshot; read without a lock)."""
@@ -68,11 +64,13 @@ class TcpTransport(Transport):
         handshake checks, so a stale endpoint never reaches a different transport."""
         self._check_open()
         with self._lock:
-            if self._server is None:
-                self._server = TcpServer(host=self._host, port=self._port, token=self._token,
-                                         table=self._table, io_timeout=self._io_timeout,
-                                         bounce_bytes=4 << 20)
-            host, port = self._server.host, self._server.port
+            server = self._server
+            if server is None:
+                server = self._server = TcpServer(
+                    host=self._host, port=self._port, token=self._token, table=self._table,
+                    io_timeout=self._io_timeout, bounce_bytes=4 << 20)
+            assert isinstance(server, TcpServer)
+            host, port = server.host, server.port
         return json.dumps({"kind": ENDPOINT_KIND, "v": ENDPOINT_VERSION, "host": host,
                            "port": port, "token": self._token}).encode()
 
@@ -87,29 +85,7 @@ class TcpTransport(Transport):
         if kind != ENDPOINT_KIND or version != ENDPOINT_VERSION:
             raise ConnectError(f"endpoint is {kind!r} v{version}; this is {ENDPOINT_KIND!r} "
                                f"v{ENDPOINT_VERSION}")
-        peer = TcpPeer(peer_endpoint, host=host, port=port, token=token,
-                       connections=self._connections, frame_bytes=self._frame_bytes,
-                       io_timeout=self._io_timeout, connect_timeout=self._connect_timeout,
-                       table=self._table)
-        with self._lock:
-            if self.closed:
-                peer.close()
-                self._check_open()
-            self._peers.add(peer)
-        return peer
-
-    def submit(self, peer: Peer, plan: Plan) -> Handle:
-        self._check_open()
-        if not isinstance(peer, TcpPeer):
-            raise TypeError(f"tcp transport cannot submit to {peer!r}")
-        self.check_sources(plan)
-        return peer.submit(plan)
-
-    def _close(self) -> None:
-        with self._lock:
-            server, self._server = self._server, None
-            peers = list(self._peers)
-        for p in peers:
-            p.close()
-        if server is not None:
-            server.close()
+        return self._adopt(TcpPeer(
+            peer_endpoint, host=host, port=port, token=token, connections=self._connections,
+            frame_bytes=self._frame_bytes, io_timeout=self._io_timeout,
+            connect_timeout=self._connect_timeout, table=self._table))

@@ -16,9 +16,7 @@ transfer fails with PeerLost, sockets are shut down, threads exit by themselves.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import logging
 import queue
 import socket
 import threading
@@ -28,26 +26,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvhandoff.plan.model import Plan
-from kvhandoff.transport.base import Handle, Peer, TransferState
+from kvhandoff.transport._served import WorkerPeer, recv_reply, shut
+from kvhandoff.transport.base import Handle, TransferState
 from kvhandoff.transport.errors import (
     ConnectError,
-    PeerLost,
     ProtocolError,
-    RemoteOutOfBounds,
-    RemoteRefused,
-    TransferFailed,
-    TransportClosed,
     TransportError,
 )
 from kvhandoff.transport.regions import RegionTable
 from kvhandoff.transport.tcp_data import Sink
-from kvhandoff.transport.tcp_io import recv_exact, recv_header
+from kvhandoff.transport.tcp_io import recv_exact
 from kvhandoff.transport.tcp_plan import Chunk, dst_records, plan_records, split
-from kvhandoff.transport.tcp_wire import FLAG_CHECK, HEADER, Header, Kind, Status
-
-log = logging.getLogger(__name__)
-
-_JOIN_S = 5.0
+from kvhandoff.transport.tcp_wire import FLAG_CHECK, HEADER, Header, Kind, Status, reply_error
 
 
 class _Transfer:
@@ -83,22 +73,9 @@ class _Conn:
     queue: queue.SimpleQueue[_Frame | None] = field(default_factory=queue.SimpleQueue)
     inflight: deque[_Frame] = field(default_factory=deque)
     seq: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
-    threads: list[threading.Thread] = field(default_factory=list)
 
 
-def _status_error(status: int, message: str, peer: str) -> TransportError:
-    if status == Status.OUT_OF_BOUNDS:
-        return RemoteOutOfBounds(f"{peer} refused the write: {message}")
-    if status == Status.MALFORMED:
-        return ProtocolError(f"{peer} rejected our frame as malformed: {message}")
-    if status == Status.BAD_TOKEN:
-        return ConnectError(f"{peer}: {message}")
-    if status == Status.INTERNAL:
-        return TransferFailed(f"{peer} failed internally: {message}")
-    return RemoteRefused(f"{peer} answered status {status}: {message}")
-
-
-class TcpPeer(Peer):
+class TcpPeer(WorkerPeer):
     """Thread-safe. Built (and connected) by ``TcpTransport.connect``."""
 
     def __init__(self, endpoint: bytes, *, host: str, port: int, token: str, connections: int,
@@ -108,9 +85,6 @@ class TcpPeer(Peer):
         self._frame_bytes = frame_bytes
         self._io_timeout = io_timeout
         self._table = table
-        self._lock = threading.Lock()
-        self._error: TransportError | None = None  # set once: lost or closed
-        self._transfers: set[_Transfer] = set()
         self._rr = itertools.count()
         self._conns: list[_Conn] = []
         try:
@@ -121,14 +95,14 @@ class TcpPeer(Peer):
                 c.sock.close()
             raise
         for i, c in enumerate(self._conns):
-            c.threads = [
+            self._threads += [
                 threading.Thread(target=self._guard, args=(self._send_loop, c), daemon=True,
                                  name=f"kvh-tcp-send-{port}-{i}"),
                 threading.Thread(target=self._guard, args=(self._read_loop, c), daemon=True,
                                  name=f"kvh-tcp-read-{port}-{i}"),
             ]
-            for t in c.threads:
-                t.start()
+        for t in self._threads:
+            t.start()
 
     # --- setup ---------------------------------------------------------------------
 
@@ -169,13 +143,8 @@ class TcpPeer(Peer):
         handle = Handle(nbytes=plan.nbytes, peer=self.name,
                         on_release=lambda h: self._forget(transfer))
         transfer = _Transfer(handle, frames)
-        with self._lock:
-            if isinstance(self._error, TransportClosed):
-                raise TransportClosed(f"peer {self.name} is closed")
-            if self._error is not None:
-                handle.set_failed(self._error)
-                return handle
-            self._transfers.add(transfer)
+        if not self._track(transfer):
+            return handle
         if len(frames) == 1:
             self._queue_data(transfer)
         else:
@@ -191,10 +160,6 @@ class TcpPeer(Peer):
             self._conns[(start + i) % len(self._conns)].queue.put(frame)
         transfer.frames = []  # the frames own their chunks now
 
-    def _forget(self, transfer: _Transfer) -> None:
-        with self._lock:
-            self._transfers.discard(transfer)
-
     def _finish(self, transfer: _Transfer, error: TransportError | None) -> None:
         if error is None:
             transfer.handle.set_done()
@@ -203,18 +168,6 @@ class TcpPeer(Peer):
         self._forget(transfer)
 
     # --- threads -------------------------------------------------------------------
-
-    def _guard(self, loop: Callable[[_Conn], None], conn: _Conn) -> None:
-        """Run a worker loop; turn whatever ends it into a lost peer (never raise)."""
-        try:
-            loop(conn)
-        except (OSError, EOFError) as e:
-            self._fail(PeerLost(f"lost {self.name}: {type(e).__name__}: {e}"))
-        except TransportError as e:
-            self._fail(e)
-        except Exception as e:
-            log.exception("tcp peer %s: internal error in a worker thread", self.name)
-            self._fail(TransferFailed(f"internal error talking to {self.name}: {e!r}"))
 
     def _send_loop(self, conn: _Conn) -> None:
         sink = Sink(conn.sock, min(self._frame_bytes, 8 << 20))
@@ -238,27 +191,22 @@ class TcpPeer(Peer):
 
     def _read_loop(self, conn: _Conn) -> None:
         buf = bytearray(HEADER.size)
-        view = memoryview(buf)
+
+        def oldest() -> float | None:
+            return conn.inflight[0].sent_at if conn.inflight else None
+
         while self._error is None:
-            if not recv_header(conn.sock, view, idle_ok=True):
-                oldest = conn.inflight[0] if conn.inflight else None
-                if oldest is not None and oldest.sent_at is not None and \
-                        time.monotonic() - oldest.sent_at > self._io_timeout:
-                    raise PeerLost(f"{self.name} sent no reply within {self._io_timeout}s")
+            got = recv_reply(conn.sock, buf, self.name, oldest, self._io_timeout)
+            if got is None:
                 continue
-            h = Header.unpack(buf)
-            body = bytearray(min(h.desc_len, 1 << 16))
-            recv_exact(conn.sock, memoryview(body))
-            if h.kind is not Kind.REPLY or h.desc_len > len(body) or h.payload_len:
-                raise ProtocolError(f"{self.name} sent an unexpected {h.kind.name} frame")
+            h, message = got
             if not conn.inflight or conn.inflight[0].seq != h.seq:
                 raise ProtocolError(f"{self.name} replied to frame {h.seq}, which is not the "
                                     f"oldest in flight")
             frame = conn.inflight.popleft()
             transfer = frame.transfer
             if h.code != Status.OK:
-                self._finish(transfer, _status_error(h.code, body.decode(errors="replace"),
-                                                     self.name))
+                self._finish(transfer, reply_error(h.code, message, self.name))
             elif frame.check:
                 self._queue_data(transfer)  # the receiver accepted the whole plan
             elif transfer.frame_acked():
@@ -266,35 +214,11 @@ class TcpPeer(Peer):
 
     # --- failure and close -----------------------------------------------------------
 
-    def _fail(self, error: TransportError) -> None:
-        """Mark the peer unusable: fail all its transfers, wake and end its threads."""
-        with self._lock:
-            if self._error is not None:
-                return
-            self._error = error
-            transfers = list(self._transfers)
-            self._transfers.clear()
-        for t in transfers:
-            t.handle.set_failed(error)
+    def _wake(self) -> None:
         for c in self._conns:
-            with contextlib.suppress(OSError):
-                c.sock.shutdown(socket.SHUT_RDWR)
+            shut(c.sock)
             c.queue.put(None)
 
-    @property
-    def closed(self) -> bool:
-        return self._error is not None
-
-    @property
-    def error(self) -> TransportError | None:
-        """Why the peer is unusable (lost or closed); None while it works."""
-        return self._error
-
-    def close(self) -> None:
-        self._fail(TransportClosed(f"peer {self.name} was closed"))
-        me = threading.current_thread()
+    def _release(self) -> None:
         for c in self._conns:
-            for t in c.threads:
-                if t is not me:
-                    t.join(_JOIN_S)
             c.sock.close()

@@ -2,7 +2,7 @@
 
 Sender: a :class:`Sink` writes each chunk either as memoryviews of the source memory
 (``sendmsg`` scatter-gather: no copy in Python) when its contiguous runs are large, or
-gathers small runs with one ``np.take`` per batch of units into a reusable bounce
+gathers small runs with one numpy gather per batch of units into a reusable bounce
 buffer (several chunks share one ``sendall``). Receiver: :func:`scatter` reads each
 record straight into destination memoryviews (``recvmsg_into``) when runs are large,
 or into a bounce buffer followed by one fancy-indexed numpy assignment per batch.
@@ -20,7 +20,7 @@ import numpy.typing as npt
 from kvhandoff.transport.regions import U8, RegionTable
 from kvhandoff.transport.tcp_io import recv_exact, recv_views, runs, send_views, slices
 from kvhandoff.transport.tcp_plan import Chunk
-from kvhandoff.transport.views import piece_view, unit_contiguous
+from kvhandoff.transport.views import as_rows, piece_view, take_into, unit_contiguous
 
 I64 = npt.NDArray[np.int64]
 
@@ -93,8 +93,7 @@ class Sink:
                 self.flush()
                 continue
             dest = self._bounce[self._pos:self._pos + k * b].reshape(k, c.count, c.length)
-            # mode="clip" avoids numpy's hidden buffering of `out` (indices are validated)
-            np.take(view, c.src_idx[a:a + k], axis=0, out=dest, mode="clip")
+            take_into(as_rows(view), c.src_idx[a:a + k], as_rows(dest))
             self._pos += k * b
             a += k
 
@@ -120,10 +119,10 @@ def scatter(sock: socket.socket, table: RegionTable, rec: tuple[int, int, int, i
             for r in range(0, count, rows):
                 k = min(rows, count - r)
                 recv_exact(sock, mv[:k * length])
-                view[u, r:r + k] = bounce[:k * length].reshape(k, length)
+                as_rows(view[u, r:r + k])[...] = as_rows(bounce[:k * length].reshape(k, length))
         return
     per = max(1, min(cap, BATCH) // b)  # batches that stay in cache for the scatter
     for a in range(0, len(idx), per):
         k = min(per, len(idx) - a)
         recv_exact(sock, mv[:k * b])
-        view[idx[a:a + k]] = bounce[:k * b].reshape(k, count, length)
+        as_rows(view)[idx[a:a + k]] = as_rows(bounce[:k * b].reshape(k, count, length))

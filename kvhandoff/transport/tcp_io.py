@@ -49,15 +49,7 @@ def send_views(sock: socket.socket, views: list[memoryview]) -> None:
     i = 0
     views = [v for v in views if len(v)]
     while i < len(views):
-        n = sock.sendmsg(views[i:i + IOV_BATCH])
-        while n and i < len(views):
-            size = len(views[i])
-            if n >= size:
-                n -= size
-                i += 1
-            else:
-                views[i] = views[i][n:]
-                n = 0
+        i = _advance(views, i, sock.sendmsg(views[i:i + IOV_BATCH]))
 
 
 def recv_views(sock: socket.socket, views: list[memoryview]) -> None:
@@ -71,14 +63,21 @@ def recv_views(sock: socket.socket, views: list[memoryview]) -> None:
         n = sock.recvmsg_into(views[i:i + IOV_BATCH])[0]
         if n == 0:
             raise EOFError("peer closed the connection")
-        while n and i < len(views):
-            size = len(views[i])
-            if n >= size:
-                n -= size
-                i += 1
-            else:
-                views[i] = views[i][n:]
-                n = 0
+        i = _advance(views, i, n)
+
+
+def _advance(views: list[memoryview], i: int, n: int) -> int:
+    """Account for ``n`` bytes moved from ``views[i:]``: returns the first view not
+    finished, trimming a partly moved one in place."""
+    while n and i < len(views):
+        size = len(views[i])
+        if n >= size:
+            n -= size
+            i += 1
+        else:
+            views[i] = views[i][n:]
+            n = 0
+    return i
 
 
 def drain(sock: socket.socket, nbytes: int, scratch: memoryview) -> None:

@@ -15,26 +15,20 @@ midway is dropped after ``io_timeout``.
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import socket
-import threading
 from collections.abc import Callable
 
 import numpy as np
 
+from kvhandoff.transport._served import ThreadedServer
 from kvhandoff.transport.errors import ProtocolError
 from kvhandoff.transport.regions import RegionTable
 from kvhandoff.transport.tcp_data import scatter
 from kvhandoff.transport.tcp_io import drain, recv_exact, recv_header
 from kvhandoff.transport.tcp_wire import FLAG_CHECK, HEADER, Header, Kind, Records, Status
 
-log = logging.getLogger(__name__)
 
-_JOIN_S = 5.0
-
-
-class TcpServer:
+class TcpServer(ThreadedServer):
     """Listens on ``host:port`` (0 = any free port). Thread-safe ``close`` (idempotent)."""
 
     def __init__(self, *, host: str, port: int, token: str, table: Callable[[], RegionTable],
@@ -43,65 +37,14 @@ class TcpServer:
         self.table = table
         self._io_timeout = io_timeout
         self.bounce_bytes = bounce_bytes
-        self._lock = threading.Lock()
-        self._closing = False
-        self._conns: dict[socket.socket, threading.Thread] = {}
-        self._listener = socket.create_server((host, port), backlog=64)
-        self.host, self.port = self._listener.getsockname()[:2]
-        self._accepter = threading.Thread(target=self._accept_loop, daemon=True,
-                                          name=f"kvh-tcp-accept-{self.port}")
-        self._accepter.start()
+        listener = socket.create_server((host, port), backlog=64)
+        self.host, self.port = listener.getsockname()[:2]
+        super().__init__(listener, f"tcp-{self.port}")
 
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                conn, _addr = self._listener.accept()
-            except OSError:
-                return  # listener shut down by close()
-            with self._lock:
-                if self._closing:
-                    conn.close()
-                    return
-                t = threading.Thread(target=self._serve, args=(conn,), daemon=True,
-                                     name=f"kvh-tcp-serve-{self.port}")
-                self._conns[conn] = t
-            t.start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        try:
-            conn.settimeout(self._io_timeout)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            _Connection(conn, self).run()
-        except (OSError, EOFError) as e:
-            log.debug("tcp server: connection ended: %s", e)
-        except ProtocolError as e:
-            log.warning("tcp server: dropping connection after a malformed frame: %s", e)
-        except Exception:  # never let a serving thread die silently
-            log.exception("tcp server: internal error; connection dropped")
-        finally:
-            with self._lock:
-                self._conns.pop(conn, None)
-            conn.close()
-
-    @property
-    def closing(self) -> bool:
-        return self._closing
-
-    def close(self) -> None:
-        with self._lock:
-            if self._closing:
-                return
-            self._closing = True
-            conns = dict(self._conns)
-        with contextlib.suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)  # wakes accept() on Linux
-        self._listener.close()
-        for c in conns:
-            with contextlib.suppress(OSError):
-                c.shutdown(socket.SHUT_RDWR)  # wakes recv() in the serving thread
-        self._accepter.join(_JOIN_S)
-        for t in conns.values():
-            t.join(_JOIN_S)
+    def serve(self, conn: socket.socket) -> None:
+        conn.settimeout(self._io_timeout)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _Connection(conn, self).run()
 
 
 class _Connection:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
@@ -156,7 +157,8 @@ def serve_peer(conn: Connection, name: str, options: dict[str, Any], nbytes: int
                seed: int) -> None:
     """Child-process receiver: allocates ``nbytes`` of noise (``seed``) through the
     transport, sends ``(endpoint, address)``, then answers commands until "exit":
-    "sha" → sha256 of the buffer, "bytes" → the buffer. Exits if the parent goes away."""
+    "sha" → sha256 of the buffer, "bytes" → the buffer, "cpu" → this process's CPU
+    seconds so far (all threads). Exits if the parent goes away."""
     from kvhandoff.transport.registry import create_transport
 
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -175,5 +177,7 @@ def serve_peer(conn: Connection, name: str, options: dict[str, Any], nbytes: int
                 conn.send_bytes(buf.data)
             elif cmd == "pid":
                 conn.send(os.getpid())
+            elif cmd == "cpu":
+                conn.send(time.process_time())
             else:
                 break

@@ -79,8 +79,8 @@ def copy_entry(e: TensorPlan, src: RegionTable, dst: RegionTable) -> int:
                 for a, c, n in zip(s0.tolist(), d0.tolist(), sizes.tolist(), strict=True):
                     d_buf[c:c + n] = s_buf[a:a + n]
                 continue
-        s_view = piece_view(s_buf, so, e.src_unit, cnt, ss, ln)
-        d_view = piece_view(d_buf, do, e.dst_unit, cnt, ds, ln)
+        s_view = as_rows(piece_view(s_buf, so, e.src_unit, cnt, ss, ln))
+        d_view = as_rows(piece_view(d_buf, do, e.dst_unit, cnt, ds, ln))
         if b > TMP_BYTES:  # big strided units: one direct strided copy each
             for si, di in zip(e.src_idx.tolist(), e.dst_idx.tolist(), strict=True):
                 d_view[di] = s_view[si]
@@ -89,10 +89,42 @@ def copy_entry(e: TensorPlan, src: RegionTable, dst: RegionTable) -> int:
         tmp = np.empty(k * b, np.uint8)
         for a in range(0, len(e.src_idx), k):
             m = min(k, len(e.src_idx) - a)
-            t3 = tmp[:m * b].reshape(m, cnt, ln)
-            np.take(s_view, e.src_idx[a:a + m], axis=0, out=t3, mode="clip")
+            t3 = as_rows(tmp[:m * b].reshape(m, cnt, ln))
+            take_into(s_view, e.src_idx[a:a + m], t3)
             d_view[e.dst_idx[a:a + m]] = t3
     return e.nbytes
+
+
+ROW_ITEM_MAX = 2048
+"""Rows up to this long are moved as one numpy element each (see :func:`as_rows`)."""
+
+
+def as_rows(a: np.ndarray) -> np.ndarray:
+    """``a`` (``(..., length)`` uint8, last axis contiguous) with each row as one
+    ``V<length>`` element, when rows are short: numpy then copies a row per element
+    instead of iterating over its bytes, 1.1-1.6× faster for 64 B-1 KiB rows (fancy
+    get and set, measured), no better beyond 2 KiB. Longer rows: ``a`` unchanged.
+    Both sides of a copy must be viewed alike."""
+    length = a.shape[-1]
+    if not 0 < length <= ROW_ITEM_MAX:
+        return a
+    return a.view(np.dtype(f"V{length}"))[..., 0]
+
+
+def take_into(view: np.ndarray, idx: I64, out: np.ndarray) -> None:
+    """``out[k] = view[idx[k]]`` along the first axis of a piece view (as bytes or as
+    rows), with no hidden copy of ``view``: ``np.take`` first makes a C-contiguous
+    copy of a strided input (the whole tensor, per call), so strided views are
+    gathered by fancy indexing in cache-sized batches instead. Indices are validated
+    by the caller."""
+    if view.flags.c_contiguous:
+        # mode="clip" avoids numpy's hidden buffering of `out`
+        np.take(view, idx, axis=0, out=out, mode="clip")
+        return
+    unit_bytes = view.itemsize * int(np.prod(view.shape[1:]))
+    per = max(1, TMP_BYTES // max(1, unit_bytes))
+    for a in range(0, len(idx), per):
+        out[a:a + per] = view[idx[a:a + per]]
 
 
 def split_work(entries: tuple[TensorPlan, ...], parts: int, min_bytes: int = 1 << 20

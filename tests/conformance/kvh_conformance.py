@@ -15,7 +15,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvhandoff.transport import Peer, Transport, available_transports, create_transport
+from kvhandoff.transport import (
+    Peer,
+    TransferState,
+    Transport,
+    available_transports,
+    create_transport,
+)
 from kvhandoff.transport.testing import PlanBuilder, bump, noise, serve_peer
 
 # Short timeouts so fault tests finish quickly; engines not listed use their defaults.
@@ -74,6 +80,23 @@ class Pair:
         return PlanBuilder(rng, src_alloc, dst_alloc)
 
 
+def deliver(pair: Pair, kind: str, seed: int = 0, timeout: float = 60.0) -> Peer:
+    """Build a ``kind`` plan, connect afresh, send it, and check every destination
+    tensor against the numpy executor; returns the peer used."""
+    b = pair.builder(seed)
+    p = b.plan(kind)
+    want = b.expected(p)
+    peer = pair.connect()
+    h = pair.sender.submit(peer, p)
+    assert pair.sender.wait(h, timeout) is TransferState.DONE, h.error
+    assert pair.sender.poll(h) is TransferState.DONE
+    assert h.nbytes == p.nbytes
+    h.release()
+    for i, ((_, got), exp) in enumerate(zip(b.dsts, want, strict=True)):
+        assert np.array_equal(got, exp), f"{kind}: destination tensor {i} differs"
+    return peer
+
+
 class RemotePeer:
     """A receiving transport in a spawned child process (see ``serve_peer``)."""
 
@@ -122,7 +145,15 @@ class RemotePeer:
             self._closed = True
 
     def stop(self) -> None:
-        os.kill(self.proc.pid or 0, signal.SIGSTOP)  # alive but silent
+        """SIGSTOP the child (alive but silent), and wait until every one of its threads
+        has stopped: the signal is delivered asynchronously, and a thread still running
+        could answer one more request."""
+        pid = self.proc.pid or 0
+        os.kill(pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and not all(
+                _task_state(pid, t) in ("T", "t", "") for t in _tasks(pid)):
+            time.sleep(0.005)
 
     def close(self) -> None:
         if not self._closed and self.proc.is_alive():
@@ -130,6 +161,22 @@ class RemotePeer:
                 self.conn.send("exit")
             self.proc.join(10)
         self.kill()
+
+
+def _tasks(pid: int) -> list[str]:
+    try:
+        return os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+
+
+def _task_state(pid: int, tid: str) -> str:
+    """A thread's state letter from /proc ("T": stopped); "" if it is gone."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 def settle(measure: Callable[[], int], target: int, timeout: float = 5.0) -> int:

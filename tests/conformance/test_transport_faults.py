@@ -89,8 +89,8 @@ def test_peer_disappears_mid_transfer(name: str, how: str) -> None:
     resource_tracker.ensure_running()  # spawn starts it once and keeps its pipe open
     threads0, fds0 = thread_count(), fd_count()
     remote = RemotePeer(name, 48 << 20)
-    try:
-        with make(name) as sender:
+    try:  # a frozen peer is noticed after io_timeout (up to twice that for a reply)
+        with make(name, io_timeout=1.5) as sender:
             b = remote.builder(sender)
             p = b.plan("pages_256k")  # 4 MiB
             peer = sender.connect(remote.endpoint)

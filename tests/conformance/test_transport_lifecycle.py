@@ -34,6 +34,20 @@ def test_registry_reports_every_transport() -> None:
         create_transport("no-such-transport")
 
 
+def test_transport_report_names_every_transport_and_why(monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    """What ``kvhandoff transports`` prints: a line per transport, saying whether it
+    can run here and why; one that cannot load says what failed."""
+    from kvhandoff.transport import describe_transports, registry
+
+    lines = describe_transports()
+    assert [ln.split()[0] for ln in lines] == list(available_transports())
+    assert any(ln.startswith("tcp") and "usable" in ln and "default" in ln for ln in lines)
+    monkeypatch.setitem(registry._TARGETS, "nope", "kvhandoff.transport.no_such_module:Nope")
+    broken = [ln for ln in describe_transports() if ln.startswith("nope")]
+    assert len(broken) == 1 and "NOT usable" in broken[0] and "no_such_module" in broken[0]
+
+
 def test_public_surface_is_pinned() -> None:
     import kvhandoff.transport as t
 
@@ -42,7 +56,7 @@ def test_public_surface_is_pinned() -> None:
         "ProtocolError", "RemoteOutOfBounds", "RemoteRefused", "TransferCancelled",
         "TransferFailed", "TransferState", "Transport", "TransportClosed", "TransportError",
         "TransportUnavailable", "available_transports", "create_transport",
-        "register_transport", "transport_class", "transport_names",
+        "describe_transports", "register_transport", "transport_class", "transport_names",
     ]
     assert all(hasattr(t, n) for n in t.__all__)
 

@@ -1,0 +1,351 @@
+"""Staging (kvhandoff.transport.staging): fragmented plans through Mooncake and NIXL.
+
+Checked: head-sliced and scattered plans arrive byte-exact through the staged path
+(in process and across processes); the receiver refuses an out-of-bounds staged
+write before scattering anything, even when the sender's own check was bypassed; a
+hostile control connection cannot scatter; plans that are not fragmented, and peers
+that get no slot, go direct; a dying receiver fails staged handles, and nothing leaks.
+The numpy pieces (gather, scatter, the segment estimate) are checked against the
+planner's executor.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from dataclasses import replace
+from multiprocessing import resource_tracker
+from typing import Any
+
+import numpy as np
+import pytest
+from kvh_conformance import Pair, RemotePeer, deliver, fd_count, make, settle, thread_count
+
+from kvhandoff.layout import Region
+from kvhandoff.plan.model import Plan, TensorPlan
+from kvhandoff.transport import (
+    ConnectError,
+    PeerLost,
+    RemoteOutOfBounds,
+    TransferState,
+    available_transports,
+)
+from kvhandoff.transport._engine import EnginePeer
+from kvhandoff.transport.regions import RegionTable
+from kvhandoff.transport.staging import StagingConfig, estimate_segments, gather, scatter
+from kvhandoff.transport.tcp_plan import dst_records, split
+from kvhandoff.transport.tcp_wire import HEADER, Header, Kind, Records, Status
+from kvhandoff.transport.testing import KINDS, PlanBuilder
+
+ENGINES = ("mooncake", "nixl")
+_AVAIL = available_transports()
+TIMEOUT = 30.0
+SMALL = StagingConfig(slot_bytes=64 << 10, slots=8, slots_per_peer=3)  # many frames
+
+
+def engines() -> list[Any]:
+    return [pytest.param(n, id=n, marks=[] if _AVAIL[n].ok else [
+        pytest.mark.skip(reason=f"{n}: {_AVAIL[n].reason}")]) for n in ENGINES]
+
+
+def _link(peer: Any) -> Any:
+    assert isinstance(peer, EnginePeer)
+    assert peer.link is not None, "the peer advertised no staging channel"
+    return peer.link
+
+
+@pytest.mark.parametrize("engine", engines())
+@pytest.mark.parametrize("config", [None, SMALL], ids=["default", "small_slots"])
+def test_head_sliced_plans_are_staged_byte_exact(engine: str, config: StagingConfig | None
+                                                ) -> None:
+    """Heterogeneous-TP plans (1 KiB and 256 B head slices, both directions) and
+    scattered pages move through the staging channel, and land byte-exact."""
+    opts = {} if config is None else {"staging": config}
+    with make(engine, **opts) as s, make(engine, **opts) as r:
+        pair = Pair(s, r)
+        for k, kind in enumerate(("head_slice_gather", "head_slice_split", "pages_4k",
+                                  "mixed")):
+            assert _link(deliver(pair, kind, seed=k)).submitted == 1, f"{kind} was not staged"
+        pair.close()
+
+
+@pytest.mark.parametrize("engine", engines())
+def test_unfragmented_plans_go_direct(engine: str) -> None:
+    with make(engine) as s, make(engine) as r:
+        pair = Pair(s, r)
+        for kind in ("pages_256k", "wide_rows"):  # ("huge" has 70000 rows of 128 B)
+            assert _link(deliver(pair, kind)).submitted == 0, f"{kind} was staged"
+        pair.close()
+
+
+@pytest.mark.parametrize("engine", engines())
+def test_staging_off_sends_everything_direct(engine: str) -> None:
+    with make(engine, staging=False) as s, make(engine) as r:
+        pair = Pair(s, r)
+        deliver(pair, "head_slice_gather")
+        assert isinstance(pair.peer, EnginePeer) and pair.peer.link is None
+        pair.close()
+
+
+@pytest.mark.parametrize("engine", engines())
+@pytest.mark.parametrize("kind", ["one_frame", "pages_4k", "mixed"])
+def test_receiver_refuses_out_of_bounds_staged_write(engine: str, kind: str) -> None:
+    """The sender's own destination check is bypassed (its copy of the peer's table is
+    forged to cover everything), so only the receiver stands between the plan and its
+    memory: the staged write is refused with RemoteOutOfBounds and no destination
+    byte changes, for single- and multi-frame plans; the link stays usable."""
+    with make(engine, staging=SMALL) as s, make(engine, staging=SMALL) as r:
+        pair = Pair(s, r)
+        b = pair.builder(3)
+        if kind == "one_frame":  # 100 segments of 16 B: staged, and no CHECK first
+            e = b.entries("tiny_many")[0]
+            p = Plan(entries=(replace(e, src_idx=e.src_idx[:100], dst_idx=e.dst_idx[:100]),))
+        else:
+            p = b.plan(kind)
+        last = p.entries[-1]
+        cap = len(b.dsts[-1][1]) // last.dst_unit
+        bad = replace(p, entries=(*p.entries[:-1], replace(
+            last, dst_idx=np.concatenate((last.dst_idx[:-1], [cap + 3])).astype(np.int64))))
+        peer = pair.connect()
+        assert isinstance(peer, EnginePeer)
+        everything = RegionTable([(r_, np.zeros(0, np.uint8)) for r_ in _cover(b)])
+        honest = peer.table, peer.host_table
+        peer.table = peer.host_table = everything
+        before = [d.copy() for _, d in b.dsts]
+        h = s.submit(peer, bad)
+        assert s.wait(h, TIMEOUT) is TransferState.FAILED
+        assert isinstance(h.error, RemoteOutOfBounds), h.error
+        assert _link(peer).submitted == 1
+        for (_, d), old in zip(b.dsts, before, strict=True):
+            assert np.array_equal(d, old), "a refused staged write changed destination memory"
+        peer.table, peer.host_table = honest
+        want = b.expected(p)
+        h = s.submit(peer, p)
+        assert s.wait(h, TIMEOUT) is TransferState.DONE, h.error
+        for (_, d), exp in zip(b.dsts, want, strict=True):
+            assert np.array_equal(d, exp)
+        pair.close()
+
+
+def _cover(b: PlanBuilder) -> list[Region]:
+    lo = min(ptr for ptr, _ in b.dsts)
+    hi = max(ptr + len(d) for ptr, d in b.dsts)
+    return [Region(ptr=lo, nbytes=hi - lo + (1 << 24))]
+
+
+def _dial(endpoint: bytes) -> tuple[socket.socket, list[list[int]]]:
+    info = json.loads(json.loads(endpoint)["options"]["staging"])
+    sock = socket.create_connection((info["host"], info["port"]), timeout=5)
+    token = info["token"].encode()
+    sock.sendall(Header(Kind.HELLO, 0, 0, len(token), 0).pack() + token)
+    h, body = _reply(sock)
+    assert h.code == Status.OK
+    return sock, json.loads(body)["slots"]
+
+
+def _reply(sock: socket.socket) -> tuple[Header, bytes]:
+    hdr = b""
+    while len(hdr) < HEADER.size:
+        part = sock.recv(HEADER.size - len(hdr))
+        if not part:
+            raise EOFError
+        hdr += part
+    h = Header.unpack(hdr)
+    body = b""
+    while len(body) < h.desc_len:
+        body += sock.recv(h.desc_len - len(body))
+    return h, body
+
+
+def _commit(sock: socket.socket, seq: int, slot: int, rec: Records) -> int:
+    desc = np.array([seq, slot], "<i8").tobytes() + rec.encode()
+    sock.sendall(Header(Kind.WRITE, 0, seq, len(desc), 0).pack() + desc)
+    return _reply(sock)[0].code
+
+
+@pytest.mark.parametrize("engine", engines())
+def test_hostile_control_connections_cannot_scatter(engine: str) -> None:
+    """A client speaking the control protocol directly: a wrong token is refused; a
+    commit naming memory outside the registrations, a slot not leased to it, or more
+    bytes than a slot is refused and nothing is written."""
+    with make(engine, staging=SMALL) as r:
+        dst = r.allocate(1 << 20)
+        base = int(dst.ctypes.data)
+        ep = r.endpoint()
+        info = json.loads(json.loads(ep)["options"]["staging"])
+        with socket.create_connection((info["host"], info["port"]), timeout=5) as bad:
+            bad.sendall(Header(Kind.HELLO, 0, 0, 4, 0).pack() + b"nope")
+            assert _reply(bad)[0].code == Status.BAD_TOKEN
+        page = 4096
+        inside = Records.build([(base, page, 0, page, 1, page)], [np.array([2])])
+        sock, slots = _dial(ep)
+        with sock:
+            assert slots and all(n == SMALL.slot_bytes for _, n in slots)
+            too_big = Records.build([(base, page, 0, page, 1, page)],
+                                    [np.arange(SMALL.slot_bytes // page + 1)])
+            assert _commit(sock, 1, 0, too_big) == Status.MALFORMED
+            with pytest.raises((EOFError, OSError)):
+                _commit(sock, 2, 0, inside)  # the server dropped the connection
+        sock, slots = _dial(ep)
+        with sock:
+            outside = Records.build([(base, page, 0, page, 1, page)], [np.array([256])])
+            assert _commit(sock, 1, 0, outside) == Status.OUT_OF_BOUNDS
+            assert _commit(sock, 2, 0, inside) == Status.OK  # scatters the (zero) slot
+            assert _commit(sock, 3, len(slots), inside) == Status.MALFORMED  # not leased
+        assert not dst.any()
+
+
+@pytest.mark.parametrize("engine", engines())
+def test_a_peer_without_slots_goes_direct(engine: str) -> None:
+    """The receiver's arena is leased out to the first sender; the second gets no
+    slot and sends its fragmented plans through the engine, still byte-exact."""
+    tight = StagingConfig(slots=2, slots_per_peer=2)
+    with make(engine, staging=tight) as r, make(engine) as s1, make(engine) as s2:
+        p1, p2 = Pair(s1, r), Pair(s2, r)
+        b1, b2 = p1.builder(1), p2.builder(2)
+        plans = [(p1, b1, b1.plan("head_slice_gather")), (p2, b2, b2.plan("head_slice_gather"))]
+        wants = [b.expected(p) for _, b, p in plans]
+        peers = [pr.connect() for pr, _, _ in plans]
+        assert isinstance(peers[1], EnginePeer) and peers[1].link is None
+        for (pr, _, p), peer in zip(plans, peers, strict=True):
+            h = pr.sender.submit(peer, p)
+            assert pr.sender.wait(h, TIMEOUT) is TransferState.DONE, h.error
+        for (_, b, _), want in zip(plans, wants, strict=True):
+            for (_, got), exp in zip(b.dsts, want, strict=True):
+                assert np.array_equal(got, exp)
+        assert _link(peers[0]).submitted == 1
+        p1.close()
+        p2.close()
+
+
+@pytest.mark.parametrize("engine", engines())
+def test_wrong_staging_token_fails_connect(engine: str) -> None:
+    with make(engine) as a, make(engine) as b:
+        ep = json.loads(b.endpoint())
+        info = json.loads(ep["options"]["staging"])
+        info["token"] = "0" * len(info["token"])
+        ep["options"]["staging"] = json.dumps(info)
+        with pytest.raises(ConnectError, match="staging"):
+            a.connect(json.dumps(ep).encode())
+
+
+@pytest.mark.parametrize("engine", engines())
+def test_release_and_close_with_staged_work_in_flight(engine: str) -> None:
+    """Handles released while staged work is queued fail TransferCancelled; closing the
+    sender with work in flight fails what is left; no thread or fd outlives it."""
+    threads0, fds0 = thread_count(), fd_count()
+    with make(engine, staging=SMALL) as r:
+        s = make(engine, staging=SMALL)
+        pair = Pair(s, r)
+        b = pair.builder(4)
+        p = b.plan("tiny_many")
+        peer = pair.connect()
+        handles = [s.submit(peer, p) for _ in range(4)]
+        handles[1].release()
+        s.close()
+        states = [h.wait(TIMEOUT) for h in handles]
+        assert TransferState.PENDING not in states
+        assert handles[1].state is TransferState.FAILED
+    assert settle(thread_count, threads0) <= threads0
+    assert settle(fd_count, fds0) <= fds0
+
+
+@pytest.mark.parametrize("engine", engines())
+def test_receiver_killed_mid_staged_transfer(engine: str) -> None:
+    """A frozen, then killed, receiver: staged handles fail with PeerLost within the
+    timeouts (the reply never comes), later staged submits fail too, nothing leaks."""
+    resource_tracker.ensure_running()
+    threads0, fds0 = thread_count(), fd_count()
+    remote = RemotePeer(engine, 48 << 20)
+    try:
+        with make(engine) as sender:
+            b = remote.builder(sender)
+            p = Plan(entries=(b.pair(src_unit=4096, dst_unit=4096, cap=5000, n=5000,
+                                     pieces=[[0, 0, 4096, 1, 4096, 4096]]),))  # 20 MB
+            peer = sender.connect(remote.endpoint)
+            h = sender.submit(peer, p)
+            assert sender.wait(h, TIMEOUT) is TransferState.DONE, h.error
+            remote.stop()
+            handles = [sender.submit(peer, p) for _ in range(3)]
+            time.sleep(0.3)
+            remote.kill()
+            states = [sender.wait(x, TIMEOUT) for x in handles]
+            assert states == [TransferState.FAILED] * 3
+            for x in handles:
+                assert isinstance(x.error, PeerLost), x.error
+            assert _link(peer).submitted == 4
+            later = sender.submit(peer, p)
+            assert sender.wait(later, TIMEOUT) is TransferState.FAILED
+            peer.close()
+    finally:
+        remote.kill()
+    assert settle(thread_count, threads0) <= threads0
+    assert settle(fd_count, fds0) <= fds0
+
+
+# --- the numpy pieces, no engine ----------------------------------------------------------
+
+
+def _host_builder(seed: int) -> tuple[PlanBuilder, list[np.ndarray], list[np.ndarray]]:
+    srcs: list[np.ndarray] = []
+    dsts: list[np.ndarray] = []
+
+    def src(n: int) -> np.ndarray:
+        srcs.append(np.zeros(n, np.uint8))
+        return srcs[-1]
+
+    def dst(n: int) -> tuple[int, np.ndarray]:
+        dsts.append(np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8))
+        return int(dsts[-1].ctypes.data), dsts[-1]
+
+    return PlanBuilder(np.random.default_rng(seed), src, dst), srcs, dsts
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("frame", [4096, 1 << 20])
+def test_gather_then_scatter_is_the_executor(kind: str, frame: int) -> None:
+    """Every frame gathered on one side and scattered from the bytes on the other
+    reproduces the planner's executor."""
+    b, srcs, dsts = _host_builder(11)
+    p = b.plan(kind)
+    want = b.expected(p)
+    src_table = _table(srcs)
+    dst_table = _table(dsts)
+    buf = np.empty(frame, np.uint8)
+    for chunks in split(p, frame):
+        n = gather(chunks, src_table, buf)
+        assert n == sum(c.nbytes for c in chunks) <= frame
+        records = dst_records(chunks)
+        assert records.problem(dst_table) is None
+        scatter(records, dst_table, buf[:n])
+    for got, exp in zip(dsts, want, strict=True):
+        assert np.array_equal(got, exp)
+
+
+def _table(bufs: list[np.ndarray]) -> RegionTable:
+    return RegionTable((Region(ptr=int(a.ctypes.data), nbytes=a.nbytes), a)
+                       for a in bufs if a.nbytes)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_segment_estimate_bounds_the_coalesced_count(kind: str) -> None:
+    b, _, _ = _host_builder(12)
+    p = b.plan(kind)
+    segs = p.coalesce()
+    assert p.num_segments >= estimate_segments(p) >= int((segs.length > 0).sum())
+
+
+def test_estimate_is_exact_for_whole_pages() -> None:
+    e = TensorPlan(component="kv", tensor="k", layer_id=0, src_ptr=0, dst_ptr=1 << 20,
+                   src_unit=4096, dst_unit=4096, src_idx=np.array([1, 2, 3, 7, 9, 10]),
+                   dst_idx=np.array([5, 6, 7, 0, 2, 4]),
+                   pieces=np.array([[0, 0, 4096, 1, 4096, 4096]]))
+    assert estimate_segments(Plan(entries=(e,))) == len(Plan(entries=(e,)).coalesce()) == 4
+
+
+def test_config_rejects_nonsense() -> None:
+    with pytest.raises(ValueError):
+        StagingConfig(slot_bytes=10)
+    with pytest.raises(ValueError):
+        StagingConfig(slots_per_peer=0)
