@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-BENCHMARKS = ["session"]
+BENCHMARKS = ["session", "transport"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -44,6 +44,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     boot.add_argument("--host", default="0.0.0.0", help="address to bind (default 0.0.0.0)")
     boot.add_argument("--port", type=int, default=8998, help="port to bind (default 8998)")
 
+    sub.add_parser("transports", help="list the transports, whether each is usable here and why")
+
     bench = sub.add_parser("bench", help="run a benchmark; prints a table, writes JSON and a PNG")
     bench.add_argument("name", choices=BENCHMARKS, help="which benchmark")
     bench.add_argument("options", nargs=argparse.REMAINDER, help="its own flags, e.g. --quick")
@@ -62,6 +64,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         import importlib
 
         return int(importlib.import_module(f"kvhandoff.bench.{args.name}").main(args.options))
+    if args.command == "transports":
+        from kvhandoff.transport import describe_transports
+
+        print("\n".join(describe_transports()))
+        return 0
     if args.command == "bootstrap":
         from kvhandoff.session.bootstrap import serve
 

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from kvh_conformance import Pair, make
+from kvh_conformance import Pair, deliver, make
 
 from kvhandoff.layout import Component, Layout, RowKind, ShardSpec, TensorSpec
 from kvhandoff.plan import Indices, execute, plan
@@ -20,32 +20,19 @@ from kvhandoff.transport.testing import KINDS
 TIMEOUT = 60.0
 
 
-def run(pair: Pair, kind: str, seed: int = 0) -> None:
-    b = pair.builder(seed)
-    p = b.plan(kind)
-    want = b.expected(p)
-    h = pair.sender.submit(pair.connect(), p)
-    assert pair.sender.wait(h, TIMEOUT) is TransferState.DONE, h.error
-    assert pair.sender.poll(h) is TransferState.DONE
-    assert h.nbytes == p.nbytes
-    h.release()
-    for i, ((_, got), exp) in enumerate(zip(b.dsts, want, strict=True)):
-        assert np.array_equal(got, exp), f"{kind}: destination tensor {i} differs"
-
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_random_plan_kinds(pair: Pair, kind: str) -> None:
-    run(pair, kind)
+    deliver(pair, kind)
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_mixed_plans_several_seeds(pair: Pair, seed: int) -> None:
-    run(pair, "mixed", seed)
+    deliver(pair, "mixed", seed)
 
 
 def test_submits_in_sequence_reuse_the_peer(pair: Pair) -> None:
     for seed in range(5):
-        run(pair, "pages_4k", seed)
+        deliver(pair, "pages_4k", seed)
 
 
 def _kv_layout(tp: int, rank: int, rng: np.random.Generator | None,
@@ -80,9 +67,10 @@ def test_real_planner_heterogeneous_tp(name: str) -> None:
         expect = [b.copy() for b in dst_bufs]
         moved = {int(b.ctypes.data): int(e.ctypes.data)
                  for b, e in zip(dst_bufs, expect, strict=True)}
-        handles = []
+        handles, keep = [], []  # keep: every source stays alive until its write is done
         for rank, t in enumerate((r0, r1)):
             src, src_bufs = _kv_layout(2, rank, rng)
+            keep.append(src_bufs)
             t.register(src)
             p = plan(src, dst, {"kv": Indices([3, 4, 9, 10, 11], [60, 2, 17, 18, 19])})
             assert len(p.entries) == 6 and p.num_segments > p.num_pieces * 5
