@@ -8,7 +8,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvhandoff-installed
 
-.PHONY: demo test lint typecheck unit bench-planner bench-session venv system-deps engines clean
+.PHONY: demo test lint typecheck unit bench-planner bench-session bench-transport venv system-deps engines clean
 
 venv: $(STAMP)
 
@@ -47,6 +47,9 @@ bench-planner: $(STAMP)
 
 bench-session: $(STAMP)
 	$(BIN)/kvhandoff bench session
+
+bench-transport: $(STAMP)
+	$(BIN)/kvhandoff bench transport
 
 # Debian packages some optional transports need (Mooncake). Safe to re-run.
 system-deps:
