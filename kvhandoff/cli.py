@@ -22,8 +22,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Start a bootstrap server, a prefill instance and a decode instance as "
                     "separate processes, hand a batch of prompts over, and check every "
                     "request decodes the same tokens as a colocated run.")
-    demo.add_argument("--model", default="qwen3_next",
-                      help="a named tiny model (see --list-models) or a local checkpoint dir")
+    demo.add_argument("--model",
+                      help="a named tiny model (see --list-models) or a local checkpoint dir "
+                           "(default qwen3_next; --layout-only: a shape, default hybrid)")
     demo.add_argument("--list-models", action="store_true", help="list models and exit")
     demo.add_argument("--prefill-tp", type=int, default=2, help="prefill TP size (default 2)")
     demo.add_argument("--decode-tp", type=int, default=1, help="decode TP size (default 1)")

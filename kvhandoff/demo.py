@@ -9,7 +9,9 @@ cache from its pools and decodes ``--max-new-tokens`` greedily. The prefill proc
 then decodes the same prompt *colocated* (plain HF, its own cache, same chunks). A
 request passes when the tokens are equal and decode's cache equals prefill's (per-tensor
 digests). The prompts cover: shorter than a page multiple, page-aligned, several
-chunks and longer than the sliding window, and a decode prefix-cache hit.
+chunks and longer than the sliding window, and a decode prefix-cache hit. After the
+last request both workers report their pools: the run passes only when every page, SWA
+page and slot is free again (a leak fails it and names the pool).
 
 ``kvhandoff demo --layout-only`` runs the older layouts-only check
 (:mod:`kvhandoff.layout_demo`).
@@ -28,8 +30,10 @@ from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 
 from kvhandoff.demo_worker import (
+    LEAKS,
     Decoded,
     Failed,
+    Leaks,
     Prefilled,
     Ready,
     WorkerSpec,
@@ -38,6 +42,7 @@ from kvhandoff.demo_worker import (
     prompt_plan,
 )
 
+DEFAULT_MODEL = "qwen3_next"
 START_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 300.0
 
@@ -76,10 +81,22 @@ class Row:
 
 
 @dataclass(frozen=True, slots=True)
+class Outcome:
+    """Every request's row, and the pools still holding ids after the run."""
+
+    rows: list[Row]
+    leaks: dict[str, int]  # e.g. {"decode pages": 3}; empty when every pool is free
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.rows) and all(r.ok for r in self.rows) and not any(self.leaks.values())
+
+
+@dataclass(frozen=True, slots=True)
 class Options:
     """The demo's settings (from the command line)."""
 
-    model: str = "qwen3_next"
+    model: str = DEFAULT_MODEL
     prefill_tp: int = 2
     decode_tp: int = 1
     transport: str = "tcp"
@@ -98,20 +115,20 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.list_models:
         print(list_models())
         return 0
-    opts = Options(model=args.model, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
-                   transport=args.transport, requests=args.requests,
+    opts = Options(model=args.model or DEFAULT_MODEL, prefill_tp=args.prefill_tp,
+                   decode_tp=args.decode_tp, transport=args.transport, requests=args.requests,
                    max_new_tokens=args.max_new_tokens, chunk=args.chunk, corrupt=args.corrupt)
     t0 = time.perf_counter()
     print(header(opts), flush=True)
     try:
-        rows = run(opts, progress=lambda r: print(progress_line(r), flush=True))
+        out = run(opts, progress=lambda r: print(progress_line(r), flush=True))
     except DemoError as e:
         print(f"demo failed: {e}", file=sys.stderr)
         return 2
-    print(render(rows, time.perf_counter() - t0))
+    print(render(out.rows, time.perf_counter() - t0, out.leaks))
     if args.json:
-        write_json(args.json, opts, rows)
-    return 0 if rows and all(r.ok for r in rows) else 1
+        write_json(args.json, opts, out)
+    return 0 if out.ok else 1
 
 
 def list_models() -> str:
@@ -122,9 +139,10 @@ def list_models() -> str:
     return "\n".join(f"{a.name:<{width}}  {a.about}" for a in ARCHITECTURES.values())
 
 
-def run(opts: Options, progress: Callable[[Row], None] | None = None) -> list[Row]:
+def run(opts: Options, progress: Callable[[Row], None] | None = None) -> Outcome:
     """Start the bootstrap server and both engine processes, hand every prompt off and
-    return one :class:`Row` per request (in order, ``progress`` called as each ends)."""
+    return one :class:`Row` per request (in order, ``progress`` called as each ends) and
+    both workers' pool leaks."""
     from kvhandoff.session.bootstrap import BootstrapServer
 
     with BootstrapServer() as srv:
@@ -142,7 +160,7 @@ def run(opts: Options, progress: Callable[[Row], None] | None = None) -> list[Ro
                 rows.append(row)
                 if progress is not None:
                     progress(row)
-            return rows
+            return Outcome(rows, _leaks(pre, "prefill") | _leaks(dec, "decode"))
 
 
 @contextmanager
@@ -201,6 +219,15 @@ def _handoff(pre: Connection, dec: Connection, rid: int, kind: str, tokens: list
                state_equal=bool(d.digest) and d.digest == p.digest, problem=d.problem)
 
 
+def _leaks(conn: Connection, side: str) -> dict[str, int]:
+    """Ask a worker, after its last request, which of its pools still hold ids."""
+    conn.send(LEAKS)
+    ans = _recv(conn, REQUEST_TIMEOUT_S, f"{side} leak check")
+    if not isinstance(ans, Leaks):
+        raise DemoError(f"{side} leak check: unexpected answer {ans!r}")
+    return ans.pools
+
+
 # -- output -------------------------------------------------------------------------------
 def header(opts: Options) -> str:
     return (f"kvhandoff demo — {opts.model}: prefill TP {opts.prefill_tp} → decode TP "
@@ -215,8 +242,9 @@ def progress_line(r: Row) -> str:
             + ("tokens equal ✓" if r.ok else f"MISMATCH ✗ {_why(r)}"))
 
 
-def render(rows: list[Row], wall_s: float) -> str:
-    """The results table and a verdict line."""
+def render(rows: list[Row], wall_s: float, leaks: dict[str, int] | None = None) -> str:
+    """The results table, a verdict line and the pools check (``leaks``: ids still
+    allocated per pool after the run)."""
     comps = sorted({c for r in rows for c in r.bytes_by_component},
                    key=lambda c: (c == "aux", c))
     head = (f"{'req':>3} {'kind':<11} {'tokens':>6} {'pages':>9} "
@@ -237,7 +265,16 @@ def render(rows: list[Row], wall_s: float) -> str:
                  f"colocated with identical caches {'✓' if not bad else '✗'} "
                  f"({wall_s:.1f} s)")
     lines += [f"  request {r.rid}: {_why(r)}" for r in bad]
+    lines.append(leak_line(leaks or {}))
     return "\n".join(lines)
+
+
+def leak_line(leaks: dict[str, int]) -> str:
+    """The pools verdict: every prefill and decode pool empty, or which are not."""
+    if not any(leaks.values()):
+        return "prefill and decode pools are empty after the run ✓"
+    held = ", ".join(f"{pool} {n}" for pool, n in sorted(leaks.items()) if n)
+    return f"LEAK ✗ pools still hold ids after the run: {held}"
 
 
 def _why(r: Row) -> str:
@@ -248,9 +285,9 @@ def _why(r: Row) -> str:
     return "decode's cache differs from prefill's"
 
 
-def write_json(path: str, opts: Options, rows: list[Row]) -> None:
-    data = {"options": asdict(opts), "ok": bool(rows) and all(r.ok for r in rows),
-            "requests": [asdict(r) | {"ok": r.ok, "gbps": r.gbps} for r in rows]}
+def write_json(path: str, opts: Options, out: Outcome) -> None:
+    data = {"options": asdict(opts), "ok": out.ok, "leaks": out.leaks,
+            "requests": [asdict(r) | {"ok": r.ok, "gbps": r.gbps} for r in out.rows]}
     with open(path, "w") as f:
         json.dump(data, f, indent=2)
 

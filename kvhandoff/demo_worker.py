@@ -7,6 +7,8 @@ processes hold identical weights), registers its ranks with the session layer
 :class:`~kvhandoff.engine.session_link.DecodeLink` over a real transport) and then
 serves requests from the parent over a pipe. The pipe carries control messages and
 results only; every KV and state byte moves prefill → decode through the transport.
+After the last request the parent asks each worker for its :class:`Leaks`: every page,
+SWA page and slot must be free again (decode drops its prefix cache first).
 """
 
 from __future__ import annotations
@@ -20,10 +22,14 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch/transformers load in the workers only
     from kvhandoff.engine.decode import DecodeInstance, Ticket
+    from kvhandoff.engine.instance import Instance
     from kvhandoff.engine.pools import PoolConfig
     from kvhandoff.engine.run import Prepared
     from kvhandoff.engine.session_link import DecodeLink
-    from kvhandoff.engine.transfer import Chunk, Transfer
+    from kvhandoff.engine.transfer import Chunk, PrefillTransfer
+
+LEAKS = "leaks"
+"""The parent's last question to a worker (answered with :class:`Leaks`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +82,14 @@ class Decoded:
 
 
 @dataclass(frozen=True, slots=True)
+class Leaks:
+    """A worker's pools after the run: ids still allocated, per named pool (e.g.
+    ``"decode pages"``); empty when every page, SWA page and slot is free."""
+
+    pools: dict[str, int]
+
+
+@dataclass(frozen=True, slots=True)
 class Failed:
     """A worker could not serve a request (or start): the reason."""
 
@@ -87,7 +101,7 @@ class TimedLink:
     """A :class:`~kvhandoff.engine.transfer.Transfer` wrapper that times ``send`` and
     ``settle``: how long prefill is blocked handing bytes to the transport."""
 
-    inner: Transfer
+    inner: PrefillTransfer
     seconds: dict[int, float] = field(default_factory=dict)
 
     def start(self, rid: int, prefill_rank: int, num_pages: int, aux_row: int) -> int:
@@ -144,11 +158,13 @@ def prompt_plan(requests: int, page_size: int, chunk: int, window: int, vocab: i
 def _quiet_setup() -> None:
     """One thread per process (two processes share a small machine) and no fallback-kernel
     notices from transformers."""
+    import logging
+
     import torch
-    from transformers.utils import logging
+    from transformers.utils import logging as hf_logging
 
     torch.set_num_threads(1)
-    logging.set_verbosity_error()
+    hf_logging.set_verbosity(logging.ERROR)
 
 
 def _prepare(spec: WorkerSpec) -> tuple[Prepared, PoolConfig]:
@@ -177,10 +193,16 @@ def _ready(prep: Prepared, chunk: int) -> Ready:
     return Ready(prep.name, prep.page_size, window, vocab)
 
 
+def pool_leaks(inst: Instance, side: str) -> Leaks:
+    """``inst``'s pools that still hold ids, named ``"{side} {pool}"``."""
+    return Leaks({f"{side} {k}": v for k, v in inst.tables.leaks().items() if v})
+
+
 def prefill_main(conn: Connection, spec: WorkerSpec) -> None:
     """The prefill process: for each ``(rid, tokens)`` received, prefill in chunks, sending
     as it goes, and answer :class:`Prefilled`; then decode the prompt colocated (plain
-    HF, same chunks, while decode decodes) and answer the token list. ``None`` ends it."""
+    HF, same chunks, while decode decodes) and answer the token list. :data:`LEAKS` is
+    answered with :class:`Leaks`; ``None`` ends it."""
     _quiet_setup()
     from kvhandoff.engine.prefill import PrefillInstance
     from kvhandoff.engine.run import colocated_greedy, snapshot_digest
@@ -197,6 +219,9 @@ def prefill_main(conn: Connection, spec: WorkerSpec) -> None:
     conn.send(_ready(prep, spec.chunk))
     try:
         while (msg := conn.recv()) is not None:
+            if msg == LEAKS:
+                conn.send(pool_leaks(inst, "prefill"))
+                continue
             rid, tokens = msg
             try:
                 out = inst.run(rid, tokens, link)
@@ -212,7 +237,8 @@ def prefill_main(conn: Connection, spec: WorkerSpec) -> None:
 def decode_main(conn: Connection, spec: WorkerSpec) -> None:
     """The decode process: ``("admit", rid, tokens)`` preallocates and opens the transfer
     (answers ``"admitted"``); ``("finish", rid, tokens)`` waits for the bytes, decodes
-    greedily and answers :class:`Decoded`. ``None`` ends it."""
+    greedily and answers :class:`Decoded`; :data:`LEAKS` drops the prefix cache and
+    answers :class:`Leaks`. ``None`` ends it."""
     _quiet_setup()
     from kvhandoff.engine.decode import DecodeInstance
     from kvhandoff.engine.session_link import DecodeLink
@@ -229,6 +255,10 @@ def decode_main(conn: Connection, spec: WorkerSpec) -> None:
     tickets: dict[int, Ticket] = {}
     try:
         while (msg := conn.recv()) is not None:
+            if msg == LEAKS:
+                inst.evict()
+                conn.send(pool_leaks(inst, "decode"))
+                continue
             kind, rid, tokens = msg
             try:
                 if kind == "admit":

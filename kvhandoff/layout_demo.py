@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import time
 from dataclasses import dataclass
 
@@ -71,7 +72,11 @@ def run_layout_demo(args: argparse.Namespace) -> int:
     if args.list_models:
         print("\n".join(MODELS))
         return 0
-    model = args.model if args.model in MODELS else "hybrid"
+    model = args.model or "hybrid"
+    if model not in MODELS:
+        print(f"demo --layout-only: unknown shape {model!r}; one of {', '.join(MODELS)}",
+              file=sys.stderr)
+        return 2
     summary = handoff(MODELS[model], prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
                       tokens=args.tokens, page_size=args.page_size)
     print(render(summary))

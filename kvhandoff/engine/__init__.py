@@ -20,14 +20,24 @@ from kvhandoff.engine.run import (
     colocated_greedy,
     run_disaggregated,
 )
-from kvhandoff.engine.transfer import Chunk, ItemList, LocalTransfer, Transfer, TransferReport
+from kvhandoff.engine.transfer import (
+    Chunk,
+    DecodeTransfer,
+    ItemList,
+    LocalTransfer,
+    PrefillTransfer,
+    Transfer,
+    TransferReport,
+)
 
 __all__ = [
     "ARCHITECTURES",
     "CORE",
     "Chunk",
+    "DecodeTransfer",
     "ItemList",
     "LocalTransfer",
+    "PrefillTransfer",
     "RequestResult",
     "RunResult",
     "Transfer",

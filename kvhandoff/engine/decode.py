@@ -34,7 +34,7 @@ from kvhandoff.engine.lists import component_lists
 from kvhandoff.engine.pools import PoolConfig
 from kvhandoff.engine.prefix_cache import PrefixCache
 from kvhandoff.engine.tables import ReqTable
-from kvhandoff.engine.transfer import Transfer
+from kvhandoff.engine.transfer import DecodeTransfer
 from kvhandoff.indices import swa_window_start
 
 
@@ -77,7 +77,7 @@ class DecodeInstance(Instance):
             cap = min(cap, max(0, n - self.arch.window) // ps * ps)
         return cap
 
-    def admit(self, rid: int, tokens: list[int] | np.ndarray, transfer: Transfer) -> Ticket:
+    def admit(self, rid: int, tokens: list[int] | np.ndarray, transfer: DecodeTransfer) -> Ticket:
         toks = np.asarray(tokens, dtype=np.int64)
         n, ps = len(toks), self.tables.page_size
         hit = (self.prefix.match(toks, self.max_prefix(n) // ps) if self.prefix is not None

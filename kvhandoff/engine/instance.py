@@ -41,7 +41,7 @@ from kvhandoff.engine.pools import (
 from kvhandoff.engine.sharding import join, split
 from kvhandoff.engine.tables import ReqTable, Tables
 from kvhandoff.errors import LayoutError
-from kvhandoff.layout import NO_LAYER
+from kvhandoff.layout import NO_LAYER, Layout
 from kvhandoff.state_types import StateType
 
 AUX_KEY: Key = ("aux", "aux", NO_LAYER)
@@ -104,13 +104,17 @@ class Instance:
             swa_page_size=sps, num_swa_pages=pools.num_swa_pages or pools.num_pages, seed=seed)
         self.ranks = [RankPools(rank_layout(arch.shape, pools, tp_rank=r, tp_size=tp))
                       for r in range(tp)]
-        self.layout = self.ranks[0].layout
         self.fields: dict[Key, tuple[LayerCodec, Field]] = {
             f.key: (c, f) for c in arch.layer_codecs for f in c.fields}
         for key, (_, f) in self.fields.items():
             if self.global_row_bytes(key) != f.row_bytes:
                 raise LayoutError(f"{arch.name}: tensor {key} holds {self.global_row_bytes(key)}"
                                   f" B per unit but the model's rows are {f.row_bytes} B")
+
+    @property
+    def layout(self) -> Layout:
+        """Rank 0's layout (component names, types and shapes are every rank's)."""
+        return self.ranks[0].layout
 
     # -- placement -----------------------------------------------------------------------
     def global_row_bytes(self, key: Key) -> int:

@@ -16,6 +16,7 @@ engine writes and reads; items are what the planner moves.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 import numpy.typing as npt
@@ -76,31 +77,67 @@ def units_per_item(t: TensorSpec, comp: Component, page_size: int) -> int:
     return page_size if comp.type in PAGE_TYPES else 1
 
 
+Allocate = Callable[[int], npt.NDArray[np.uint8]]
+"""Returns a zeroed, C-contiguous uint8 buffer of at least the given number of bytes."""
+
+_ALIGN = 64  # bytes between tensors in a rank's block
+
+
+def _zeros(nbytes: int) -> npt.NDArray[np.uint8]:
+    return np.zeros(nbytes, dtype=np.uint8)
+
+
 class RankPools:
-    """Every tensor of one rank's layout, allocated (zeroed) in host memory.
+    """Every tensor of one rank's layout, allocated (zeroed) in host memory: one block
+    from ``allocate`` (``numpy.zeros`` by default), each tensor at a 64-byte boundary.
 
     ``layout`` carries the real addresses; ``memory`` is what the in-process executor
     (and a transport) reads and writes. Not thread-safe.
     """
 
-    def __init__(self, layout: Layout) -> None:
-        self.memory = HostMemory()
-        self._bufs: dict[tuple[str, str, int], npt.NDArray[np.uint8]] = {}
+    def __init__(self, layout: Layout, allocate: Allocate = _zeros) -> None:
         self._specs: dict[tuple[str, str, int], tuple[Component, TensorSpec]] = {}
+        self._bufs: dict[tuple[str, str, int], npt.NDArray[np.uint8]] = {}
+        self._place(layout, allocate)
+
+    def relocate(self, allocate: Allocate) -> None:
+        """Move every tensor into one new block from ``allocate`` (e.g. a transport's
+        ``allocate``, whose destinations peers can map), keeping the contents. ``layout``
+        and ``memory`` change: relocate before registering the layout anywhere."""
+        old = self._bufs
+        self._place(self.layout, allocate)
+        for key, buf in old.items():
+            self._bufs[key][:] = buf
+
+    def _place(self, layout: Layout, allocate: Allocate) -> None:
+        offsets: list[int] = []
+        total = 0
+        for c in layout.components:
+            for t in c.tensors:
+                offsets.append(total)
+                total += -(-t.nbytes // _ALIGN) * _ALIGN
+        block = allocate(max(total, 1))
+        if block.dtype != np.uint8 or block.ndim != 1 or len(block) < total or \
+                not block.flags.c_contiguous:
+            raise ValueError(f"rank {layout.tp_rank}: allocate({total}) returned "
+                             f"{block.dtype} {block.shape}, not a contiguous uint8 buffer "
+                             f"of {total} bytes")
+        self.memory = HostMemory()
+        self._bufs = {}
         comps = []
+        at = iter(offsets)
         for c in layout.components:
             tensors = []
             for t in c.tensors:
-                buf = np.zeros(max(t.nbytes, 1), dtype=np.uint8)
-                ptr = self.memory.add(buf)
-                t = dataclasses.replace(t, ptr=ptr if t.nbytes else 0)
-                self._bufs[(c.name, t.name, t.layer_id)] = buf[:t.nbytes]
+                off = next(at)
+                buf = block[off:off + t.nbytes]
+                t = dataclasses.replace(t, ptr=self.memory.add(buf) if t.nbytes else 0)
+                self._bufs[(c.name, t.name, t.layer_id)] = buf
                 tensors.append(t)
             comps.append(dataclasses.replace(c, tensors=tuple(tensors)))
         self.layout = dataclasses.replace(layout, components=tuple(comps), regions=())
-        for c in self.layout.components:
-            for t in c.tensors:
-                self._specs[(c.name, t.name, t.layer_id)] = (c, t)
+        self._specs = {(c.name, t.name, t.layer_id): (c, t)
+                       for c in self.layout.components for t in c.tensors}
 
     def spec(self, key: tuple[str, str, int]) -> tuple[Component, TensorSpec]:
         return self._specs[key]

@@ -36,7 +36,7 @@ from kvhandoff.engine.instance import (
 from kvhandoff.engine.lists import component_lists
 from kvhandoff.engine.pools import CHUNKED_TYPES, PoolConfig
 from kvhandoff.engine.tables import ReqTable
-from kvhandoff.engine.transfer import Chunk, Transfer
+from kvhandoff.engine.transfer import Chunk, PrefillTransfer
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +56,8 @@ class PrefillInstance(Instance):
             raise ValueError(f"chunk must be >= 1, got {chunk}")
         self.chunk = chunk
 
-    def run(self, rid: int, tokens: list[int] | np.ndarray, transfer: Transfer) -> PrefillOutcome:
+    def run(self, rid: int, tokens: list[int] | np.ndarray, transfer: PrefillTransfer
+            ) -> PrefillOutcome:
         toks = np.asarray(tokens, dtype=np.int64)
         n, ps = len(toks), self.tables.page_size
         if n < 1:

@@ -20,6 +20,12 @@ The two halves are separate classes so a prefill process and a decode process ea
 hold only their own (:class:`PrefillLink`, :class:`DecodeLink`); :class:`SessionLink`
 joins them for one process. Bytes per component are counted on decode from its own
 destination lists (each destination item is written exactly once).
+
+``transport`` names any transport of :mod:`kvhandoff.transport.registry` (``tcp``,
+``shm``, ``mooncake``, ``nixl``, …); each rank gets its own instance. A transport whose
+destinations must come from its ``allocate`` (shm) gets them: decode moves each rank's
+pools into that memory (:meth:`~kvhandoff.engine.pools.RankPools.relocate`) before
+registering them.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Self
 
-from kvhandoff.engine.transfer import Chunk, Endpoint, ItemList, TransferReport
+from kvhandoff.engine.transfer import Chunk, Endpoint, ItemList, Relocatable, TransferReport
 from kvhandoff.layout import Layout
 from kvhandoff.protocol import IndexListMsg
 from kvhandoff.session.agent import Agent
@@ -37,6 +43,7 @@ from kvhandoff.session.errors import SessionError
 from kvhandoff.session.receiver import Receiver
 from kvhandoff.session.sender import Sender
 from kvhandoff.session.status import Status
+from kvhandoff.transport.base import Transport
 from kvhandoff.transport.registry import create_transport
 
 
@@ -55,6 +62,24 @@ def landed_bytes(layout: Layout, lists: Mapping[str, ItemList]) -> dict[str, int
     return out
 
 
+def decode_transport(rank: Endpoint, name: str, label: str) -> Transport:
+    """A new ``name`` transport for one decode rank; when its destinations must come from
+    its own ``allocate``, the rank's pools move there first."""
+    t = create_transport(name)
+    if t.capabilities.needs_allocate:
+        if not isinstance(rank, Relocatable):
+            t.close()
+            raise LinkError(f"{label}: transport {name!r} writes only into memory from its "
+                            f"allocate(), and {type(rank).__name__} cannot relocate its "
+                            f"buffers")
+        try:
+            rank.relocate(t.allocate)
+        except BaseException:
+            t.close()
+            raise
+    return t
+
+
 def _check(status: Status, what: str, error: SessionError | None) -> None:
     if status is not Status.SUCCESS:
         raise LinkError(f"{what} ended {status.value}: {error}")
@@ -66,10 +91,16 @@ class PrefillLink:
     def __init__(self, ranks: Sequence[Endpoint], bootstrap_url: str, *,
                  transport: str = "tcp", timeout: float = 60.0) -> None:
         self.timeout = timeout
-        self.agents = [Agent(r.layout, role="prefill", bootstrap_url=bootstrap_url,
-                             transport=create_transport(transport), name=f"prefill-tp{i}")
-                       for i, r in enumerate(ranks)]
         self._senders: dict[tuple[int, int], Sender] = {}
+        self.agents: list[Agent] = []
+        try:
+            for i, r in enumerate(ranks):
+                self.agents.append(Agent(r.layout, role="prefill", bootstrap_url=bootstrap_url,
+                                         transport=create_transport(transport),
+                                         name=f"prefill-tp{i}"))
+        except BaseException:
+            self.close()
+            raise
 
     def start(self, rid: int, prefill_rank: int, num_pages: int, aux_row: int) -> int:
         s = Sender(self.agents[prefill_rank], rid)
@@ -108,8 +139,15 @@ class DecodeLink:
     def __init__(self, ranks: Sequence[Endpoint], bootstrap_url: str, *,
                  transport: str = "tcp", timeout: float = 60.0) -> None:
         self.url, self.timeout = bootstrap_url, timeout
-        self.agents = [Agent(r.layout, role="decode", transport=create_transport(transport),
-                             name=f"decode-tp{i}") for i, r in enumerate(ranks)]
+        self.agents: list[Agent] = []
+        try:
+            for i, r in enumerate(ranks):
+                t = decode_transport(r, transport, f"decode-tp{i}")
+                self.agents.append(Agent(r.layout, role="decode", transport=t,
+                                         name=f"decode-tp{i}"))
+        except BaseException:
+            self.close()
+            raise
         self._receivers: dict[int, list[tuple[Receiver, dict[str, int]]]] = defaultdict(list)
 
     def open(self, rid: int, decode_rank: int, lists: Mapping[str, ItemList],

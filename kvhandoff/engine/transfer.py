@@ -24,9 +24,12 @@ from __future__ import annotations
 
 import warnings
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
 
 from kvhandoff.engine.alloc import IdArray
 from kvhandoff.engine.pools import CHUNKED_TYPES
@@ -76,11 +79,29 @@ class Endpoint(Protocol):
     memory: HostMemory
 
 
-class Transfer(Protocol):
+@runtime_checkable
+class Relocatable(Endpoint, Protocol):
+    """An endpoint whose memory can move (:meth:`RankPools.relocate`), for transports
+    whose destinations must come from their own ``allocate`` (shm)."""
+
+    def relocate(self, allocate: Callable[[int], npt.NDArray[np.uint8]]) -> None:
+        """Move every buffer into memory from ``allocate``, keeping the contents."""
+
+
+class DecodeTransfer(Protocol):
+    """The decode half of a :class:`Transfer` (what a decode process holds)."""
+
     def open(self, rid: int, decode_rank: int, lists: Mapping[str, ItemList],
              prefix_len: int) -> None:
         """Decode rank ``decode_rank`` expects request ``rid`` into ``lists``, holding its
         first ``prefix_len`` tokens already."""
+
+    def wait(self, rid: int) -> TransferReport:
+        """Block until every prefill rank's last chunk of ``rid`` landed; forget ``rid``."""
+
+
+class PrefillTransfer(Protocol):
+    """The prefill half of a :class:`Transfer` (what a prefill process holds)."""
 
     def start(self, rid: int, prefill_rank: int, num_pages: int, aux_row: int) -> int:
         """Prefill rank ``prefill_rank`` announces ``rid`` (``num_pages`` KV pages from
@@ -93,8 +114,9 @@ class Transfer(Protocol):
         """Block until no write of ``rid`` from ``prefill_rank`` reads source memory any
         more (``Sender.wait_settled``): only then may prefill free the request's pages."""
 
-    def wait(self, rid: int) -> TransferReport:
-        """Block until every prefill rank's last chunk of ``rid`` landed; forget ``rid``."""
+
+class Transfer(DecodeTransfer, PrefillTransfer, Protocol):
+    """Both halves, for one process (:class:`LocalTransfer`, ``SessionLink``)."""
 
 
 @dataclass(slots=True)
@@ -108,11 +130,15 @@ class _Request:
 class LocalTransfer:
     """In-process transfer: plan + execute from every prefill rank into every decode rank.
 
-    Synchronous (``send`` returns after the bytes landed); not thread-safe.
+    Synchronous (``send`` returns after the bytes landed); not thread-safe. With
+    ``plan_only`` it plans and counts every pair but moves nothing: what the planner
+    would move, to compare another transfer's bytes with (run it beside that one).
     """
 
-    def __init__(self, prefill: Sequence[Endpoint], decode: Sequence[Endpoint]) -> None:
+    def __init__(self, prefill: Sequence[Endpoint], decode: Sequence[Endpoint], *,
+                 plan_only: bool = False) -> None:
         self.prefill, self.decode = list(prefill), list(decode)
+        self.plan_only = plan_only
         self._reqs: dict[int, _Request] = {}
 
     def open(self, rid: int, decode_rank: int, lists: Mapping[str, ItemList],
@@ -143,7 +169,8 @@ class LocalTransfer:
                          _request(src.layout, chunk, first, prefix // src.layout.page_size,
                                   lists))
             r.report.notes += [str(w.message) for w in caught]
-            execute(p, src.memory, dst.memory)
+            if not self.plan_only:
+                execute(p, src.memory, dst.memory)
             for e in p.entries:
                 r.report.bytes_by_component[e.component] += e.nbytes
             r.report.plans += 1

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from kvhandoff import cli
+from kvhandoff.demo_worker import pool_leaks
 
 SMALL = ["demo", "--model", "qwen3_next", "--prefill-tp", "2", "--decode-tp", "1",
          "--requests", "2", "--max-new-tokens", "4", "--chunk", "8"]
@@ -20,8 +23,10 @@ def test_demo_hands_off_and_matches_colocated(capsys: pytest.CaptureFixture[str]
     text = capsys.readouterr().out
     assert "prefill TP 2 → decode TP 1 over tcp" in text
     assert text.count("tokens equal ✓") == 2 and "2/2 requests" in text and "✗" not in text
+    assert "prefill and decode pools are empty after the run ✓" in text
     with open(out) as f:
-        assert '"ok": true' in f.read()
+        data = json.load(f)
+    assert data["ok"] is True and data["leaks"] == {}
 
 
 def test_demo_fails_on_a_corrupted_byte(capsys: pytest.CaptureFixture[str]) -> None:
@@ -29,3 +34,19 @@ def test_demo_fails_on_a_corrupted_byte(capsys: pytest.CaptureFixture[str]) -> N
     assert cli.main([*SMALL, "--corrupt", "kv"]) == 1
     text = capsys.readouterr().out
     assert "MISMATCH ✗" in text and "0/2 requests" in text
+
+
+def test_worker_leak_check_names_the_pools() -> None:
+    """What each worker answers after the run: a request admitted on decode but never
+    finished still holds its pages and slot, and they are named; freed, nothing is."""
+    from kvhandoff.engine import LocalTransfer
+    from kvhandoff.engine.decode import DecodeInstance
+    from kvhandoff.engine.pools import PoolConfig
+    from kvhandoff.engine.run import prepare
+
+    prep = prepare("llama")
+    inst = DecodeInstance(prep.model, prep.arch, tp=1,
+                          pools=PoolConfig(page_size=4, num_pages=16, num_slots=2))
+    assert pool_leaks(inst, "decode").pools == {}
+    inst.admit(0, list(range(10)), LocalTransfer([], inst.ranks))
+    assert pool_leaks(inst, "decode").pools == {"decode pages": 3, "decode slots": 1}

@@ -188,3 +188,38 @@ def test_local_transfer_refuses_incomplete_requests() -> None:
     link.send(7, 0, Chunk(pages=np.array([5]), last=True, state=state))
     with pytest.raises(PlanError, match=r"prefill ranks \[1\] never sent a last chunk"):
         link.wait(7)
+
+
+def test_relocate_moves_every_tensor_and_keeps_its_bytes() -> None:
+    """What shm's decode side needs: the pools move into memory from another allocator
+    (one block, 64-byte aligned tensors); the layout's addresses follow, contents stay."""
+    prep = prepare("qwen3_next")
+    pools = PoolConfig(page_size=4, num_pages=8, num_slots=2)
+    rank = PrefillInstance(prep.model, prep.arch, tp=2, pools=pools, chunk=6).ranks[1]
+    keys = [(c.name, t.name, t.layer_id) for c in rank.layout.components for t in c.tensors]
+    rng = np.random.default_rng(0)
+    for k in keys:
+        u = rank.units(k)
+        u[...] = rng.integers(0, 256, u.shape, dtype=np.uint8)
+    before = {k: rank.units(k).copy() for k in keys}
+    blocks: list[np.ndarray] = []
+
+    def allocate(nbytes: int) -> np.ndarray:
+        blocks.append(np.zeros(nbytes + 64, dtype=np.uint8)[64:])
+        return blocks[-1]
+
+    rank.relocate(allocate)
+    (block,) = blocks
+    lo, hi = block.ctypes.data, block.ctypes.data + len(block)
+    for c in rank.layout.components:
+        for t in c.tensors:
+            key = (c.name, t.name, t.layer_id)
+            assert np.array_equal(rank.units(key), before[key]), key
+            if not t.nbytes:
+                continue
+            assert lo <= t.ptr and t.ptr + t.nbytes <= hi and t.ptr % 64 == lo % 64, key
+            assert np.shares_memory(rank.units(key), block)
+            assert np.array_equal(rank.memory.view(t.ptr)[:t.nbytes],
+                                  rank.units(key).reshape(-1)), key
+    with pytest.raises(ValueError, match="not a contiguous uint8 buffer"):
+        rank.relocate(lambda n: np.zeros(n // 2, dtype=np.uint8))

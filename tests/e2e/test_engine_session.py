@@ -1,47 +1,168 @@
-"""The engine over the real session layer: Sender / Receiver, bootstrap server, tcp.
+"""The engine over the real session layer: Sender / Receiver, a bootstrap server and a
+real transport — every core architecture × TP pair over tcp, the other transports in a
+smaller matrix.
 
-Same checks as the in-process handoff (tokens, byte-exact state, no leaks), and the
-bytes counted on decode equal what the in-process planner moved."""
+Each case checks what the in-process handoff checks (greedy tokens equal colocated
+decoding for 16 new tokens, decode's rebuilt cache equals prefill's byte for byte, every
+pool empty afterwards), and that the bytes decode counted per component equal what the
+in-process planner moves for the same requests (planned beside the real transfer).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from kvhandoff.engine import run_disaggregated, sample_prompts  # noqa: E402
-from kvhandoff.engine.pools import RankPools  # noqa: E402
-from kvhandoff.engine.session_link import SessionLink  # noqa: E402
+from kvhandoff.engine import (  # noqa: E402
+    CORE,
+    Chunk,
+    ItemList,
+    LocalTransfer,
+    RunResult,
+    TransferReport,
+    run_disaggregated,
+    sample_prompts,
+)
+from kvhandoff.engine.pools import PoolConfig, RankPools, rank_layout  # noqa: E402
+from kvhandoff.engine.run import prepare  # noqa: E402
+from kvhandoff.engine.session_link import LinkError, SessionLink  # noqa: E402
 from kvhandoff.session.bootstrap import BootstrapServer  # noqa: E402
+from kvhandoff.transport.registry import available_transports  # noqa: E402
 
 torch.set_num_threads(1)
 
-CASES = [("llama", (2, 4), False), ("qwen3_next", (1, 2), True), ("gpt_oss", (2, 1), True),
-         ("deepseek_v32", (2, 4), False), ("deepseek_v4", (1, 2), False)]
+PAIRS = [(1, 1), (2, 1), (1, 2), (2, 4)]
+NEW_TOKENS = 16
+# (prompt lengths, chunk): shorter than a page, page-aligned, unaligned, past the window,
+# several chunks. DeepSeek-V4 pages hold 128 tokens (whole C4 and C128 rows).
+SETUP = {name: ([5, 16, 23, 37], 6) for name in CORE}
+SETUP["deepseek_v4"] = ([130, 256], 64)
+# the other transports: one or two architectures each, different state types
+OTHERS = [("shm", "qwen3_next", (2, 1)), ("shm", "deepseek_v4", (1, 2)),
+          ("mooncake", "nemotron_h", (1, 2)), ("mooncake", "gpt_oss", (2, 4)),
+          ("nixl", "deepseek_v32", (2, 1)), ("nixl", "deepseek_v4", (2, 1))]
 
 
-@pytest.mark.parametrize(("arch", "pair", "hit"), CASES, ids=[c[0] for c in CASES])
-def test_engine_over_sessions_and_tcp(arch: str, pair: tuple[int, int], hit: bool) -> None:
-    lengths, chunk = ([130, 300], 64) if arch == "deepseek_v4" else ([5, 16, 23, 37], 6)
-    prompts = sample_prompts(lengths, seed=9)
-    links: list[SessionLink] = []
+class Planned:
+    """A transfer that drives ``real`` and, beside it, the in-process planner without
+    moving anything: ``planned[rid]`` is what the planner says each request moves."""
+
+    def __init__(self, real: SessionLink, planner: LocalTransfer) -> None:
+        self.real, self.planner = real, planner
+        self.planned: dict[int, dict[str, int]] = {}
+
+    def open(self, rid: int, decode_rank: int, lists: Mapping[str, ItemList],
+             prefix_len: int) -> None:
+        self.planner.open(rid, decode_rank, lists, prefix_len)
+        self.real.open(rid, decode_rank, lists, prefix_len)
+
+    def start(self, rid: int, prefill_rank: int, num_pages: int, aux_row: int) -> int:
+        expect = self.planner.start(rid, prefill_rank, num_pages, aux_row)
+        prefix = self.real.start(rid, prefill_rank, num_pages, aux_row)
+        assert prefix == expect, f"request {rid}: session prefix {prefix}, decode's {expect}"
+        return prefix
+
+    def send(self, rid: int, prefill_rank: int, chunk: Chunk) -> None:
+        self.planner.send(rid, prefill_rank, chunk)
+        self.real.send(rid, prefill_rank, chunk)
+
+    def settle(self, rid: int, prefill_rank: int) -> None:
+        self.real.settle(rid, prefill_rank)
+
+    def wait(self, rid: int) -> TransferReport:
+        self.planned[rid] = self.planner.wait(rid).bytes_by_component
+        return self.real.wait(rid)
+
+
+@pytest.fixture(scope="module")
+def bootstrap_url() -> Iterator[str]:
+    """One bootstrap server for the module: each case's agents deregister on close."""
     with BootstrapServer() as srv:
-        def factory(p: Sequence[RankPools], d: Sequence[RankPools]) -> SessionLink:
-            links.append(SessionLink(p, d, srv.url, timeout=30.0))
-            return links[-1]
-        try:
-            result = run_disaggregated(arch, prompts, prefill_tp=pair[0], decode_tp=pair[1],
-                                       chunk=chunk, prefix_hit=hit, transfer=factory)
-        finally:
-            for link in links:
-                link.close()
-    assert result.ok, [r.state_diff for r in result.requests]
+        yield srv.url
+
+
+def handoff(url: str, arch: str, pair: tuple[int, int], *, transport: str = "tcp",
+            hit: bool = False, corrupt: str | None = None
+            ) -> tuple[RunResult, dict[int, dict[str, int]]]:
+    """Run ``arch``'s prompts from prefill TP ``pair[0]`` to decode TP ``pair[1]`` over the
+    session layer and ``transport``; the result and the planner's bytes per request."""
+    lengths, chunk = SETUP[arch]
+    links: list[Planned] = []
+
+    def factory(p: Sequence[RankPools], d: Sequence[RankPools]) -> Planned:
+        real = SessionLink(p, d, url, transport=transport, timeout=30.0)
+        links.append(Planned(real, LocalTransfer(p, d, plan_only=True)))
+        return links[-1]
+
+    try:
+        result = run_disaggregated(arch, sample_prompts(lengths, seed=9), prefill_tp=pair[0],
+                                   decode_tp=pair[1], chunk=chunk, prefix_hit=hit,
+                                   max_new_tokens=NEW_TOKENS, corrupt=corrupt,
+                                   transfer=factory)
+    finally:
+        for link in links:
+            link.real.close()
+    (link,) = links
+    return result, link.planned
+
+
+def check(result: RunResult, planned: dict[int, dict[str, int]]) -> None:
+    bad = [f"rid {r.rid} len {r.prompt_len}: tokens {r.disaggregated} vs {r.colocated}; "
+           f"state: {r.state_diff or 'equal'}" for r in result.requests if not r.ok]
+    assert result.ok, "\n".join([*bad, f"leaks: {result.leaks}"])
     assert not any(result.leaks.values()), result.leaks
-    local = run_disaggregated(arch, prompts, prefill_tp=pair[0], decode_tp=pair[1],
-                              chunk=chunk, prefix_hit=hit)
-    for a, b in zip(result.requests, local.requests, strict=True):
-        assert a.disaggregated == b.disaggregated
-        assert a.bytes_by_component == b.bytes_by_component
+    for r in result.requests:
+        assert len(r.disaggregated) == NEW_TOKENS
+        assert {"kv", "aux"} <= set(r.bytes_by_component)
+        assert r.bytes_by_component == planned[r.rid], f"rid {r.rid}"
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"tp{p[0]}to{p[1]}")
+@pytest.mark.parametrize("arch", CORE)
+def test_engine_over_sessions_and_tcp(bootstrap_url: str, arch: str, pair: tuple[int, int]
+                                      ) -> None:
+    # 1 -> 2 also hands off a donor first, so decode's prefix cache holds the first pages
+    result, planned = handoff(bootstrap_url, arch, pair, hit=pair == (1, 2))
+    check(result, planned)
+    if pair == (1, 2):
+        assert any(r.prefix_len for r in result.requests), "no request hit the prefix cache"
+
+
+@pytest.mark.parametrize(("transport", "arch", "pair"), OTHERS,
+                         ids=[f"{t}-{a}-tp{p[0]}to{p[1]}" for t, a, p in OTHERS])
+def test_engine_over_other_transports(bootstrap_url: str, transport: str, arch: str,
+                                      pair: tuple[int, int]) -> None:
+    ok, reason = available_transports()[transport]
+    if not ok:
+        pytest.skip(f"transport {transport!r} is not usable here: {reason}")
+    result, planned = handoff(bootstrap_url, arch, pair, transport=transport,
+                              hit=arch == "qwen3_next")
+    check(result, planned)
+
+
+def test_corrupted_byte_over_tcp_fails_the_check(bootstrap_url: str) -> None:
+    """The check can fail: one flipped byte of received GDN conv state on decode."""
+    result, _ = handoff(bootstrap_url, "qwen3_next", (2, 1), corrupt="mamba/conv")
+    assert not result.ok and not any(r.ok for r in result.requests)
+    assert all("mamba" in r.state_diff for r in result.requests), \
+        [r.state_diff for r in result.requests]
+    assert not any(result.leaks.values()), result.leaks
+
+
+def test_shm_refuses_decode_memory_that_cannot_move(bootstrap_url: str) -> None:
+    """shm writes only into its own allocate()d memory: a decode endpoint that cannot
+    move its buffers there is refused up front, naming the transport."""
+    shape = prepare("llama").arch.shape
+    pools = RankPools(rank_layout(shape, PoolConfig(page_size=4, num_pages=8, num_slots=2),
+                                  tp_rank=0, tp_size=1))
+
+    class Fixed:  # an Endpoint without relocate()
+        layout, memory = pools.layout, pools.memory
+
+    with pytest.raises(LinkError, match="transport 'shm' writes only into memory from its "
+                                        r"allocate\(\)"):
+        SessionLink([pools], [Fixed()], bootstrap_url, transport="shm")

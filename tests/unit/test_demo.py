@@ -5,10 +5,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from kvhandoff import cli
 from kvhandoff import layout_demo as demo
+from kvhandoff.demo import Row
 from kvhandoff.plan.execute import HostMemory
 
 
@@ -56,3 +59,45 @@ def test_prompt_plan_covers_the_cases() -> None:
     long, hit = plan[2][1], plan[3][1]
     assert hit[:16] == long[:16] and hit != long[:len(hit)]
     assert len(hit) - 16 > 8  # the window still comes from prefill
+
+
+def test_layout_only_rejects_an_unknown_shape(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["demo", "--layout-only", "--model", "no-such-shape"]) == 2
+    assert "unknown shape 'no-such-shape'" in capsys.readouterr().err
+
+
+def _row(rid: int) -> Row:
+    return Row(rid=rid, kind="short", prompt_tokens=5, pages=2, cached_tokens=0,
+               bytes_by_component={"kv": 1024, "aux": 64}, transfer_ms=1.0, tokens=[1, 2],
+               colocated=[1, 2], state_equal=True, problem="")
+
+
+def test_leaked_pools_fail_the_demo_and_are_named(monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str],
+                                                  tmp_path: object) -> None:
+    """Every request matched, but decode's pages were not all freed: exit 1, and the
+    output and the JSON name the pool and the count."""
+    from kvhandoff import demo as engine_demo
+
+    leaks = {"prefill pages": 0, "decode pages": 3, "decode slots": 1}
+    monkeypatch.setattr(engine_demo, "run",
+                        lambda opts, progress=None: engine_demo.Outcome([_row(0)], leaks))
+    out = f"{tmp_path}/demo.json"
+    assert cli.main(["demo", "--requests", "1", "--json", out]) == 1
+    text = capsys.readouterr().out
+    assert "1/1 requests decode the same tokens" in text
+    assert "LEAK ✗ pools still hold ids after the run: decode pages 3, decode slots 1" in text
+    assert "prefill pages" not in text
+    with open(out) as f:
+        data = json.load(f)
+    assert data["ok"] is False and data["leaks"]["decode pages"] == 3
+
+
+def test_empty_pools_pass(monkeypatch: pytest.MonkeyPatch,
+                          capsys: pytest.CaptureFixture[str]) -> None:
+    from kvhandoff import demo as engine_demo
+
+    monkeypatch.setattr(engine_demo, "run", lambda opts, progress=None: engine_demo.Outcome(
+        [_row(0), _row(1)], {"prefill pages": 0, "decode pages": 0}))
+    assert cli.main(["demo", "--requests", "2"]) == 0
+    assert "prefill and decode pools are empty after the run ✓" in capsys.readouterr().out
