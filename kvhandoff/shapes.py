@@ -5,16 +5,16 @@ Pure: numpy only, no I/O, no memory unless the caller's allocator makes some.
 * :class:`ModelShape` describes a model's per-request state (which layer keeps what,
   with the published head counts and dims). Named shapes: :data:`SHAPES`
   (``qwen3_next``, ``nemotron_h``, ``gpt_oss``, ``deepseek_v32``, ``deepseek_v4``,
-  ``llama``, ``kimi_linear``); :func:`tiny` shrinks one to a few layers and small
+  ``llama``, ``kimi_linear``, ``jamba``); :func:`tiny` shrinks one to a few layers and small
   dims with the same structure (same layer kinds, same sharding groups).
 * :func:`layout_for` builds the :class:`~kvhandoff.layout.Layout` one TP/PP rank
   registers, following the pool layouts of sglang (``sglang_facts.md`` §2):
   MHA K and V pages per layer (NHD, head-sharded, GQA-replicated when TP exceeds
   the KV heads), MLA pages (replicated), NSA indexer pages (opaque), Mamba2 / GDN /
-  KDA conv and SSM slots (sharded per sub-block), SWA pages, the DeepSeek-V4 set and
-  one aux row per request. Addresses come from ``alloc(nbytes) -> ptr``; the
-  default :class:`FakeAllocator` hands out aligned addresses and allocates nothing,
-  so benchmarks can plan layouts of real size.
+  KDA conv and SSM slots (sharded per sub-block), Mamba1 slots (sharded by d_inner),
+  SWA pages, the DeepSeek-V4 set and one aux row per request. Addresses come from
+  ``alloc(nbytes) -> ptr``; the default :class:`FakeAllocator` hands out aligned
+  addresses and allocates nothing, so benchmarks can plan layouts of real size.
 * :func:`request_for` builds the request (component name -> :class:`Indices`) of a
   sequence of N tokens for a pair of layouts, with contiguous or random page ids,
   SWA window pages, the Mamba slot, ring rows and positions, and the aux row. It
@@ -57,6 +57,8 @@ class LayerKind(enum.StrEnum):
     MLA = "mla"  # MLA latent pages (+ an NSA indexer page when the shape has one)
     GDN = "gdn"  # gated delta net: conv [q|k|v] + SSM slot (Qwen3-Next)
     MAMBA2 = "mamba2"  # Mamba2: conv [x|B|C] + SSM slot (Nemotron-H)
+    MAMBA1 = "mamba1"  # Mamba1: conv [d_inner] + SSM [d_inner, state] slot (Jamba)
+    ATTN_MAMBA2 = "attn_mamba2"  # attention K/V pages and a Mamba2 slot in one layer (Falcon-H1)
     KDA = "kda"  # Kimi delta attention: transposed conv + SSM slot
     MLP = "mlp"  # no per-request state
     DSV4_W = "dsv4_w"  # DeepSeek-V4 window-only layer (compress ratio 0)
@@ -64,7 +66,10 @@ class LayerKind(enum.StrEnum):
     DSV4_C128 = "dsv4_c128"  # DeepSeek-V4 ratio-128 layer
 
 
-_LINEAR = (LayerKind.GDN, LayerKind.MAMBA2, LayerKind.KDA)
+_LINEAR = (LayerKind.GDN, LayerKind.MAMBA2, LayerKind.KDA, LayerKind.MAMBA1,
+           LayerKind.ATTN_MAMBA2)
+_MHA = (LayerKind.ATTN, LayerKind.ATTN_MAMBA2)  # layers with full-attention K/V pages
+_M2 = (LayerKind.MAMBA2, LayerKind.ATTN_MAMBA2)  # layers with a Mamba2 slot
 _DSV4 = (LayerKind.DSV4_W, LayerKind.DSV4_C4, LayerKind.DSV4_C128)
 
 
@@ -88,7 +93,8 @@ class ModelShape:
     linear_k_dim: int = 0
     linear_v_heads: int = 0
     linear_v_dim: int = 0
-    # Mamba2
+    # Mamba2 (heads, head_dim, groups, state) / Mamba1 (intermediate, state)
+    mamba_intermediate: int = 0  # Mamba1 d_inner: conv channels and SSM rows, TP-sharded
     mamba_heads: int = 0
     mamba_head_dim: int = 0
     mamba_groups: int = 0
@@ -106,8 +112,17 @@ class ModelShape:
     def __post_init__(self) -> None:
         if not self.layers:
             raise LayoutError(f"shape {self.name!r} has no layers")
-        if LayerKind.ATTN in self.layers and LayerKind.MLA in self.layers:
+        if self.has(*_MHA) and LayerKind.MLA in self.layers:
             raise LayoutError(f"shape {self.name!r}: MHA and MLA layers would share component 'kv'")
+        linear = {k for k in self.layers if k in _LINEAR}
+        families = {LayerKind.MAMBA2 if k is LayerKind.ATTN_MAMBA2 else k for k in linear}
+        if len(families) > 1 and linear & {LayerKind.MAMBA1, LayerKind.ATTN_MAMBA2}:
+            raise LayoutError(
+                f"shape {self.name!r}: linear layers of kinds {sorted(k.value for k in families)} "
+                f"would share the 'mamba' component's one conv / SSM geometry")
+        if self.has(LayerKind.MAMBA1) and not (self.mamba_intermediate and self.mamba_state):
+            raise LayoutError(f"shape {self.name!r}: Mamba1 layers need mamba_intermediate and "
+                              f"mamba_state")
         for i in self.index_elided_layers:
             if not 0 <= i < len(self.layers) or self.layers[i] is not LayerKind.MLA:
                 raise LayoutError(f"shape {self.name!r}: elided indexer layer {i} is no MLA layer")
@@ -131,17 +146,25 @@ class ModelShape:
             vd = self.linear_v_heads * self.linear_v_dim
             # GDN: cat[q|k|v] (key_dim, key_dim, value_dim); KDA: (proj, proj_k, proj_k)
             return (kd, kd, vd) if self.has(LayerKind.GDN) else (vd, kd, kd)
+        if self.has(LayerKind.MAMBA1):
+            return (self.mamba_intermediate,)  # one channel axis, sharded by d_inner
         inter = self.mamba_heads * self.mamba_head_dim
         gn = self.mamba_groups * self.mamba_state
         return (inter, gn, gn)  # Mamba2: cat[x|B|C]
 
     @property
     def ssm_heads(self) -> int:
-        return self.mamba_heads if self.has(LayerKind.MAMBA2) else self.linear_v_heads
+        """Length of the SSM state's sharded axis (Mamba1: d_inner rows)."""
+        if self.has(LayerKind.MAMBA1):
+            return self.mamba_intermediate
+        return self.mamba_heads if self.has(*_M2) else self.linear_v_heads
 
     @property
     def ssm_head_bytes(self) -> int:
-        if self.has(LayerKind.MAMBA2):
+        """Bytes of one unit of the SSM state's sharded axis."""
+        if self.has(LayerKind.MAMBA1):
+            return self.mamba_state * self.ssm_dtype_bytes
+        if self.has(*_M2):
             return self.mamba_head_dim * self.mamba_state * self.ssm_dtype_bytes
         return self.linear_v_dim * self.linear_k_dim * self.ssm_dtype_bytes
 
@@ -209,6 +232,13 @@ LLAMA = ModelShape(
     # Llama-3.1-70B: 80 layers, GQA 8 KV heads x 128, bf16.
     name="llama", layers=(LayerKind.ATTN,) * 80, kv_heads=8, head_dim=128,
 )
+JAMBA = ModelShape(
+    # Jamba-v0.1 (52B): 32 layers, attention at i % 8 == 4, Mamba1 elsewhere (MoE every
+    # other layer: no state); d_inner = 2 x 4096, d_state 16, d_conv 4; GQA 8 KV heads x 128.
+    name="jamba",
+    layers=tuple(LayerKind.ATTN if i % 8 == 4 else LayerKind.MAMBA1 for i in range(32)),
+    kv_heads=8, head_dim=128, mamba_intermediate=8192, mamba_state=16, conv_kernel=4,
+)
 KIMI_LINEAR = ModelShape(
     # Kimi-Linear-48B-A3B: 27 layers, KDA (32 heads x 128) with MLA at layers 3, 7, ... 23, 26.
     name="kimi_linear",
@@ -221,7 +251,8 @@ KIMI_LINEAR = ModelShape(
 
 SHAPES: dict[str, ModelShape] = {
     s.name: s
-    for s in (QWEN3_NEXT, NEMOTRON_H, GPT_OSS, DEEPSEEK_V32, DEEPSEEK_V4, LLAMA, KIMI_LINEAR)
+    for s in (QWEN3_NEXT, NEMOTRON_H, GPT_OSS, DEEPSEEK_V32, DEEPSEEK_V4, LLAMA, KIMI_LINEAR,
+              JAMBA)
 }
 
 
@@ -271,6 +302,7 @@ def tiny(shape: ModelShape, *, num_layers: int | None = None) -> ModelShape:
         linear_k_dim=dim(shape.linear_k_dim, 4),
         linear_v_heads=min(shape.linear_v_heads, 16),
         linear_v_dim=dim(shape.linear_v_dim, 4),
+        mamba_intermediate=dim(shape.mamba_intermediate, 16),
         mamba_heads=heads(shape.mamba_heads),
         mamba_head_dim=dim(shape.mamba_head_dim, 4),
         mamba_groups=heads(shape.mamba_groups),
@@ -359,9 +391,9 @@ def layout_for(
             )
         sp = swa_page_size if swa_page_size is not None else min(64, page_size)
         comps += b.dsv4(mine, last, page_size, num_pages, sp, swa_pages, num_slots, spec_decode)
-    if shape.has(LayerKind.ATTN):
+    if shape.has(*_MHA):
         comps.append(Component(type=StateType.KV, name="kv", tensors=tuple(
-            b.mha(shape.layer_ids(LayerKind.ATTN), mine, page_size, num_pages))))
+            b.mha(shape.layer_ids(*_MHA), mine, page_size, num_pages))))
     if shape.has(LayerKind.MLA):
         comps.append(Component(type=StateType.MLA, name="kv", tensors=tuple(
             b.mla(shape.layer_ids(LayerKind.MLA), mine, page_size, num_pages))))
@@ -444,7 +476,7 @@ class _Builder:
         else:
             conv = ShardSpec.axis(axis=sum(groups), groups=groups,
                                   inner_bytes=(s.conv_kernel - 1) * s.conv_dtype_bytes)
-        if s.has(LayerKind.MAMBA2) and self.tp[1] > s.mamba_groups:
+        if s.has(*_M2) and self.tp[1] > s.mamba_groups:
             raise LayoutError(
                 f"{s.name}: TP {self.tp[1]} exceeds the {s.mamba_groups} Mamba2 groups; padded "
                 f"replicated groups are not modelled"

@@ -5,8 +5,14 @@ each cache layer's *kind* picks a codec (:mod:`kvhandoff.engine.codecs`), and th
 tensors' shapes give the dimensions. The one piece of family knowledge is how a
 linear-attention conv's channels split into independently sharded sub-blocks:
 gated delta nets (configs with ``linear_key_head_dim``: Qwen3-Next, Qwen3.5) use
-``[q | k | v]``; Mamba2 mixers use ``[x | B | C]``. Everything else is read off the
-cache, so a new family built from the same cache-layer kinds needs no code here.
+``[q | k | v]``; Mamba2 mixers use ``[x | B | C]``; Mamba1 mixers (a 3-D recurrent state
+``[d_inner, d_state]``: Jamba) have one channel axis ``d_inner``, which also indexes the
+SSM state. Everything else is read off the cache, so a new family built from the same
+cache-layer kinds needs no code here.
+
+Kinds: full / sliding attention, MLA (+ DSA indexer), linear attention (GDN, Mamba2,
+Mamba1), ``"hybrid"`` layers holding attention K/V and a Mamba2 slot at once (Falcon-H1),
+DeepSeek-V4's compressed kinds, and dummy layers.
 
 The result drives :func:`kvhandoff.shapes.layout_for`: the engine's pools are laid out
 exactly as the library's named shapes describe real deployments (sglang's pools).
@@ -23,6 +29,7 @@ from transformers import DynamicCache, PreTrainedModel
 from kvhandoff.engine.codecs import (
     AttentionCodec,
     DeepseekV4Codec,
+    HybridCodec,
     LatentCodec,
     LayerCodec,
     LinearCodec,
@@ -55,6 +62,8 @@ def _kind(cache_layer: Any) -> str:
     compressed = getattr(cache_layer, "_layer_type", "")
     if compressed in _DSV4_KINDS:
         return str(compressed)
+    if "LinearAttentionCacheLayerMixin" in names and "DynamicSlidingWindowLayer" in names:
+        return "hybrid_sliding"
     if "LinearAttentionCacheLayerMixin" in names and "DynamicLayer" in names:
         return "hybrid"
     for kind in ("LinearAttentionLayer", "DynamicIndexedLayer", "DynamicSlidingWindowLayer",
@@ -68,8 +77,9 @@ def describe(model: PreTrainedModel, name: str = "") -> Arch:
     """Probe ``model`` (one forward of a few tokens, no gradients) and describe its state.
 
     Raises :class:`~kvhandoff.errors.LayoutError` naming the layer for a cache-layer kind
-    the engine has no codec for (e.g. layers that are attention *and* Mamba at once, or
-    Mamba1 mixers: ``kvhandoff.shapes`` has no layer kind for them yet).
+    the engine has no codec for (e.g. sliding-window attention and a linear state in one
+    layer, or short-conv mixers without a recurrent state: ``kvhandoff.shapes`` has no
+    layer kind for them yet).
     """
     cfg = model.config.get_text_config(decoder=True)
     cache = DynamicCache(config=model.config)
@@ -111,25 +121,38 @@ class _ShapeBuilder:
         if kind in ("DynamicLayer", "DynamicIndexedLayer") and mla:
             return self._latent(i, layer, indexed=kind == "DynamicIndexedLayer")
         if kind in ("DynamicLayer", "DynamicSlidingWindowLayer"):
-            k, v = layer.keys, layer.values
-            if k.shape != v.shape:
-                raise LayoutError(f"{self.name} layer {i}: K {tuple(k.shape)} and V "
-                                  f"{tuple(v.shape)} differ; MHA pages need equal shapes")
-            heads, head_dim = k.shape[1], k.shape[3]
-            self._set(kv_heads=heads, head_dim=head_dim, kv_dtype_bytes=k.element_size())
-            window = None
-            if kind == "DynamicSlidingWindowLayer":
-                window = int(layer.sliding_window)
-                self._set(sliding_window=window)
-                self.window = window
+            window = int(layer.sliding_window) if kind == "DynamicSlidingWindowLayer" else None
             self.kinds.append(LayerKind.SWA if window else LayerKind.ATTN)
-            return AttentionCodec(layer=i, component="swa" if window else "kv", heads=heads,
-                                  head_dim=head_dim, dtype=k.dtype, window=window)
+            return self._attention(i, layer, window)
         if kind == "LinearAttentionLayer":
-            return self._linear(i, layer, cfg)
+            codec, lk = self._linear(i, layer, cfg)
+            self.kinds.append(lk)
+            return codec
+        if kind == "hybrid":  # attention K/V and a linear state in one layer (Falcon-H1)
+            attention = self._attention(i, layer, None)
+            codec, lk = self._linear(i, layer, cfg)
+            if lk is not LayerKind.MAMBA2:
+                raise LayoutError(f"{self.name} layer {i}: a hybrid cache layer with a "
+                                  f"{lk.value} state; kvhandoff.shapes pairs attention with "
+                                  f"Mamba2 only ({LayerKind.ATTN_MAMBA2.value})")
+            self.kinds.append(LayerKind.ATTN_MAMBA2)
+            return HybridCodec(attention, codec)
         raise LayoutError(
             f"{self.name} layer {i}: no engine codec for cache layer kind {kind!r} "
             f"({type(layer).__name__}); kvhandoff.shapes has one layer kind per layer")
+
+    def _attention(self, i: int, layer: Any, window: int | None) -> AttentionCodec:
+        k, v = layer.keys, layer.values
+        if k.shape != v.shape:
+            raise LayoutError(f"{self.name} layer {i}: K {tuple(k.shape)} and V "
+                              f"{tuple(v.shape)} differ; MHA pages need equal shapes")
+        heads, head_dim = k.shape[1], k.shape[3]
+        self._set(kv_heads=heads, head_dim=head_dim, kv_dtype_bytes=k.element_size())
+        if window:
+            self._set(sliding_window=window)
+            self.window = window
+        return AttentionCodec(layer=i, component="swa" if window else "kv", heads=heads,
+                              head_dim=head_dim, dtype=k.dtype, window=window)
 
     def _latent(self, i: int, layer: Any, *, indexed: bool) -> LayerCodec:
         k, v = layer.keys, layer.values  # [1, 1, S, kv_lora], [1, 1, S, rope]
@@ -145,19 +168,30 @@ class _ShapeBuilder:
         return LatentCodec(layer=i, latent=latent, rope=rope, dtype=k.dtype,
                            index_dim=index_dim, index_dtype=index_dtype)
 
-    def _linear(self, i: int, layer: Any, cfg: Any) -> LayerCodec:
+    def _linear(self, i: int, layer: Any, cfg: Any) -> tuple[LinearCodec, LayerKind]:
         if layer.number_of_states != 1:
             raise LayoutError(f"{self.name} layer {i}: {layer.number_of_states} conv states "
                               f"per layer; the engine maps exactly one")
         conv, ssm = layer.conv_states[0], layer.recurrent_states[0]
-        if conv is None or ssm is None or ssm.dim() != 4:
+        if conv is None or ssm is None or ssm.dim() not in (3, 4):
+            got = "no" if ssm is None else f"a {ssm.dim()}-D"
             raise LayoutError(
-                f"{self.name} layer {i}: linear-attention layer without a 4-D recurrent state "
-                f"(Mamba1 / short-conv mixers have no kvhandoff.shapes layer kind yet)")
+                f"{self.name} layer {i}: linear-attention layer with {got} recurrent state "
+                f"(the engine maps a conv state plus a 3-D Mamba1 or 4-D Mamba2 / GDN SSM "
+                f"state; other mixers, e.g. short convolutions, have no kvhandoff.shapes "
+                f"layer kind yet)")
         channels, width = conv.shape[1], conv.shape[2]
-        heads, a, b = ssm.shape[1], ssm.shape[2], ssm.shape[3]
         common = {"conv_kernel": width, "conv_dtype_bytes": conv.element_size(),
                   "ssm_dtype_bytes": ssm.element_size()}
+        if ssm.dim() == 3:  # Mamba1: conv [d_inner, K], SSM [d_inner, d_state]
+            inner, state = ssm.shape[1], ssm.shape[2]
+            if channels != inner:
+                raise LayoutError(f"{self.name} layer {i}: Mamba1 conv channels {channels} != "
+                                  f"SSM rows {inner}; both are d_inner")
+            self._set(mamba_intermediate=inner, mamba_state=state, **common)
+            return (LinearCodec(layer=i, conv=(channels, width), ssm=(inner, state),
+                                conv_dtype=conv.dtype, ssm_dtype=ssm.dtype), LayerKind.MAMBA1)
+        heads, a, b = ssm.shape[1], ssm.shape[2], ssm.shape[3]
         if getattr(cfg, "linear_key_head_dim", None) is not None:  # gated delta net
             kd = cfg.linear_num_key_heads * cfg.linear_key_head_dim
             if channels != 2 * kd + heads * b or a != cfg.linear_key_head_dim:
@@ -165,7 +199,7 @@ class _ShapeBuilder:
                                   f"[q|k|v] = 2*{kd} + {heads}*{b}")
             self._set(linear_k_heads=cfg.linear_num_key_heads, linear_k_dim=a,
                       linear_v_heads=heads, linear_v_dim=b, **common)
-            self.kinds.append(LayerKind.GDN)
+            kind = LayerKind.GDN
         else:  # Mamba2: conv [x | B | C], x = heads * head_dim, B = C = groups * state
             gn2 = channels - heads * a
             if gn2 <= 0 or gn2 % (2 * b):
@@ -173,9 +207,9 @@ class _ShapeBuilder:
                                   f"[x|B|C] for {heads} heads x {a} and state {b}")
             self._set(mamba_heads=heads, mamba_head_dim=a, mamba_state=b,
                       mamba_groups=gn2 // (2 * b), **common)
-            self.kinds.append(LayerKind.MAMBA2)
-        return LinearCodec(layer=i, conv=(channels, width), ssm=(heads, a, b),
-                           conv_dtype=conv.dtype, ssm_dtype=ssm.dtype)
+            kind = LayerKind.MAMBA2
+        return (LinearCodec(layer=i, conv=(channels, width), ssm=(heads, a, b),
+                            conv_dtype=conv.dtype, ssm_dtype=ssm.dtype), kind)
 
     def _dsv4(self, i: int, kind: str, layer: Any, cfg: Any) -> LayerCodec:
         window = int(layer.sliding_window)

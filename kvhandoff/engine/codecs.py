@@ -15,7 +15,11 @@ cache layer                            codec and what it moves
                                        ``[kv_lora | rope]`` per token (component ``kv``)
 ``DynamicIndexedLayer`` (DSA)          :class:`LatentCodec` + ``index_k`` rows (``nsa``)
 ``LinearAttentionLayer``               :class:`LinearCodec`: ``conv`` ``[channels, K-1]``
-                                       and ``ssm`` state of the request slot (``mamba``)
+                                       and ``ssm`` state of the request slot (``mamba``):
+                                       Mamba2 / GDN ``[heads, a, b]``, Mamba1
+                                       ``[d_inner, d_state]``
+``LinearAttentionAndFullAttention``    :class:`HybridCodec`: both of the above in one
+``Layer`` (``"hybrid"``)               layer (``kv`` rows and the ``mamba`` slot)
 DeepSeek-V4 sliding / CSA / HCA        :class:`DeepseekV4Codec`: window rows, compressed
                                        entries, compressor rings
 ``DummyLayer``                         nothing
@@ -192,7 +196,8 @@ class LatentCodec(LayerCodec):
 
 
 class LinearCodec(LayerCodec):
-    """Mamba2 / gated-delta-net state of one layer: conv window and recurrent (SSM) state."""
+    """Mamba2 / gated-delta-net / Mamba1 state of one layer: conv window and recurrent
+    (SSM) state, whatever the SSM state's shape (``[heads, a, b]``, ``[d_inner, state]``)."""
 
     def __init__(self, *, layer: int, conv: tuple[int, int], ssm: tuple[int, ...],
                  conv_dtype: torch.dtype, ssm_dtype: torch.dtype) -> None:
@@ -229,6 +234,30 @@ class LinearCodec(LayerCodec):
         cache_layer.conv_states[0].copy_(conv)
         cache_layer.recurrent_states[0].copy_(ssm)
         cache_layer.has_previous_state[0] = True
+
+
+class HybridCodec(LayerCodec):
+    """A layer that keeps attention K/V *and* a linear-attention slot (HF's ``"hybrid"``
+    cache layer, e.g. Falcon-H1: attention and Mamba2 side by side in every layer).
+    Each field is handled by the codec of its part."""
+
+    def __init__(self, attention: AttentionCodec, linear: LinearCodec) -> None:
+        if attention.layer != linear.layer:
+            raise ValueError(f"hybrid codec parts disagree on the layer "
+                             f"({attention.layer} vs {linear.layer})")
+        self.layer, self.attention, self.linear = attention.layer, attention, linear
+        self.fields = attention.fields + linear.fields
+        self._part = {f.key: p for p in (attention, linear) for f in p.fields}
+
+    def read(self, cache_layer: Any, f: Field, since: int = 0) -> tuple[IdArray, RowArray]:
+        return self._part[f.key].read(cache_layer, f, since)
+
+    def live(self, f: Field, n: int) -> IdArray:
+        return self._part[f.key].live(f, n)
+
+    def fill(self, cache_layer: Any, n: int, rows: Mapping[Key, RowArray]) -> None:
+        self.attention.fill(cache_layer, n, rows)
+        self.linear.fill(cache_layer, n, rows)
 
 
 class DeepseekV4Codec(LayerCodec):

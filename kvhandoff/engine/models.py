@@ -82,6 +82,22 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
                 "mamba_chunk_size": 16},
     ),
     Architecture(
+        name="jamba", model_type="jamba",
+        about="Jamba: Mamba1 (conv + SSM [d_inner, d_state], sharded by d_inner), attention, MoE",
+        config={"num_hidden_layers": 4, "attn_layer_period": 2, "attn_layer_offset": 1,
+                "expert_layer_period": 2, "expert_layer_offset": 1, "num_experts": 2,
+                "num_key_value_heads": 2, "intermediate_size": 64, "mamba_expand": 1,
+                "mamba_d_state": 8, "mamba_d_conv": 4, "mamba_dt_rank": 8, **_MOE},
+    ),
+    Architecture(
+        name="falcon_h1", model_type="falcon_h1",
+        about="Falcon-H1: attention and Mamba2 side by side in every layer",
+        config={"num_hidden_layers": 2, "num_key_value_heads": 2, "head_dim": 16,
+                "intermediate_size": 64, "mamba_n_heads": 8, "mamba_d_head": 8,
+                "mamba_n_groups": 4, "mamba_d_state": 8, "mamba_d_conv": 4,
+                "mamba_expand": 1, "mamba_chunk_size": 8, "mamba_d_ssm": 64},
+    ),
+    Architecture(
         name="gpt_oss", model_type="gpt_oss",
         about="GPT-OSS: alternating sliding-window (8) and full attention, attention sinks",
         config={"num_hidden_layers": 4, "num_key_value_heads": 2, "head_dim": 16,
@@ -129,8 +145,8 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
 )}
 """Every tiny architecture the engine is tested on (``kvhandoff demo --model`` names)."""
 
-CORE = ("llama", "qwen3_next", "nemotron_h", "gpt_oss", "deepseek_v3", "deepseek_v32",
-        "deepseek_v4")
+CORE = ("llama", "qwen3_next", "nemotron_h", "jamba", "falcon_h1", "gpt_oss", "deepseek_v3",
+        "deepseek_v32", "deepseek_v4")
 """The architectures the TP matrix covers; the others prove new families need no code."""
 
 

@@ -30,6 +30,8 @@ EXPECT = {
     "llama": {"kv", "aux"},
     "qwen3_next": {"kv", "mamba", "aux"},
     "nemotron_h": {"kv", "mamba", "aux"},
+    "jamba": {"kv", "mamba", "aux"},
+    "falcon_h1": {"kv", "mamba", "aux"},
     "gpt_oss": {"kv", "swa", "aux"},
     "deepseek_v3": {"kv", "aux"},
     "deepseek_v32": {"kv", "nsa", "aux"},
@@ -66,8 +68,8 @@ def test_handoff_decodes_like_colocated(arch: str, pair: tuple[int, int]) -> Non
     assert not any(result.leaks.values()), result.leaks
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_next", "nemotron_h", "gpt_oss",
-                                  "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3_next", "nemotron_h", "jamba", "falcon_h1",
+                                  "gpt_oss", "deepseek_v3"])
 def test_chunked_prefill_matches_one_forward(arch: str) -> None:
     """Chunked prefill + handoff also equals one-forward prefill (models without a
     top-k token selection, whose near-ties chunked rounding may flip)."""

@@ -1,5 +1,6 @@
 """Model adapters: new families made of known cache-layer kinds need no engine code;
-unknown kinds fail with a message naming the layer; a local checkpoint directory (or a
+Mamba1 (Jamba) and attention + Mamba2 in one layer (Falcon-H1) map by kind too; unknown
+kinds fail with a message naming the layer; a local checkpoint directory (or a
 bare config) works like a named model."""
 
 from __future__ import annotations
@@ -36,27 +37,88 @@ def test_other_families_need_no_engine_code(arch: str) -> None:
 
 def test_described_layer_kinds() -> None:
     kinds = {name: describe(load_model(name), name).shape.layers
-             for name in ("qwen3_next", "nemotron_h", "gpt_oss", "deepseek_v32", "deepseek_v4")}
+             for name in ("qwen3_next", "nemotron_h", "jamba", "falcon_h1", "gpt_oss",
+                          "deepseek_v32", "deepseek_v4")}
     L = LayerKind
     assert kinds["qwen3_next"] == (L.GDN, L.ATTN, L.GDN, L.ATTN)
     assert kinds["nemotron_h"] == (L.MAMBA2, L.MLP, L.MAMBA2, L.ATTN)
+    assert kinds["jamba"] == (L.MAMBA1, L.ATTN, L.MAMBA1, L.ATTN)
+    assert kinds["falcon_h1"] == (L.ATTN_MAMBA2, L.ATTN_MAMBA2)
     assert kinds["gpt_oss"] == (L.SWA, L.ATTN, L.SWA, L.ATTN)
     assert kinds["deepseek_v32"] == (L.MLA, L.MLA)
     assert kinds["deepseek_v4"] == (L.DSV4_W, L.DSV4_C4, L.DSV4_C128, L.DSV4_C4)
 
 
+# per request, summed over decode ranks (TP 4 shards these 1:1, nothing replicated), fp32:
+# Jamba (Mamba1, d_inner 64, d_state 8, K 4): 2 layers x (conv 64 x 3 + SSM 64 x 8)
+# Falcon-H1 (Mamba2 in both layers, conv [x|B|C] = 64 + 2 x 4 x 8, SSM 8 heads x 8 x 8)
+MAMBA_BYTES = {"jamba": 2 * (64 * 3 + 64 * 8) * 4,
+               "falcon_h1": 2 * ((64 + 2 * 4 * 8) * 3 + 8 * 8 * 8) * 4}
+
+
+@pytest.mark.parametrize("arch", ["jamba", "falcon_h1"])
+def test_mamba1_and_attention_mamba2_layers(arch: str) -> None:
+    """Jamba's Mamba1 slot (sharded by d_inner) and Falcon-H1's layers that hold attention
+    K/V *and* a Mamba2 slot hand off like the rest (the TP matrix is in
+    test_engine_handoff.py); here: the bytes each component moves, from the model dims."""
+    shape = describe(load_model(arch), arch).shape
+    if arch == "jamba":
+        assert (shape.mamba_intermediate, shape.mamba_state, shape.conv_kernel) == (64, 8, 4)
+    else:
+        assert (shape.mamba_heads, shape.mamba_groups, shape.kv_heads) == (8, 4, 2)
+    result = run_disaggregated(arch, sample_prompts([16, 23, 37], seed=6), prefill_tp=2,
+                               decode_tp=4, chunk=6)
+    assert result.ok, [(r.disaggregated, r.colocated, r.state_diff) for r in result.requests]
+    assert not any(result.leaks.values()), result.leaks
+    kv_layers = 2  # attention layers 1, 3 (Jamba); both hybrid layers (Falcon-H1)
+    for r in result.requests:
+        assert len(r.disaggregated) == 16
+        assert r.bytes_by_component["mamba"] == MAMBA_BYTES[arch]
+        pages = -(-r.prompt_len // 4)
+        # K and V x 2 KV heads x 16 x fp32 per token; decode TP 4 holds each head twice
+        assert r.bytes_by_component["kv"] == 2 * kv_layers * pages * 4 * 2 * 2 * 16 * 4
+
+
+def test_jamba_bf16_conv_with_fp32_ssm_state() -> None:
+    """bf16 conv rows next to HF's fp32 Mamba1 SSM state: each moves with its own width."""
+    result = run_disaggregated("jamba", sample_prompts([16, 37]), prefill_tp=2, decode_tp=4,
+                               chunk=6, dtype=torch.bfloat16)
+    assert result.ok, [r.state_diff for r in result.requests]
+    assert result.requests[0].bytes_by_component["mamba"] == 2 * (64 * 3 * 2 + 64 * 8 * 4)
+
+
+CORRUPT = [("jamba", "mamba/conv"), ("jamba", "mamba/ssm"), ("falcon_h1", "kv"),
+           ("falcon_h1", "mamba/ssm")]
+
+
+@pytest.mark.parametrize(("arch", "target"), CORRUPT, ids=[f"{a}-{t}" for a, t in CORRUPT])
+def test_new_kinds_catch_a_corrupted_byte(arch: str, target: str) -> None:
+    """The check can fail for the new kinds: one flipped received byte (of the Mamba1
+    slot, or of either half of a hybrid layer) fails every request, and nothing leaks."""
+    result = run_disaggregated(arch, sample_prompts([23, 37], seed=2), prefill_tp=2,
+                               decode_tp=1, chunk=6, corrupt=target)
+    assert not result.ok and not any(r.ok for r in result.requests)
+    component = target.split("/")[0]
+    assert all(component in r.state_diff for r in result.requests), \
+        [r.state_diff for r in result.requests]
+    assert not any(result.leaks.values())
+
+
 @pytest.mark.parametrize(("model_type", "kwargs", "message"), [
-    ("jamba", {"num_hidden_layers": 2, "num_key_value_heads": 2, "intermediate_size": 64,
-               "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
-               "expert_layer_offset": 1, "num_experts": 2, "mamba_d_state": 8,
-               "mamba_d_conv": 4, "mamba_expand": 1, "mamba_dt_rank": 8},
-     "layer 0: linear-attention layer without a 4-D recurrent state"),
-    ("falcon_h1", {"num_hidden_layers": 2, "num_key_value_heads": 2, "head_dim": 16,
-                   "intermediate_size": 64, "mamba_n_heads": 8, "mamba_d_head": 8,
-                   "mamba_n_groups": 2, "mamba_d_state": 8, "mamba_d_conv": 4,
-                   "mamba_expand": 1, "mamba_chunk_size": 8, "mamba_d_ssm": 64},
-     "layer 0: no engine codec for cache layer kind 'hybrid'"),
-])
+    # LFM2's short convolutions: a conv state and no recurrent state
+    ("lfm2", {"num_hidden_layers": 2, "num_key_value_heads": 2, "intermediate_size": 64,
+              "full_attn_idxs": [1]},
+     "layer 0: linear-attention layer with no recurrent state"),
+    # ZAYA's hybrid layers: attention next to a CCA state of another shape (2-D) ...
+    ("zaya", {"num_hidden_layers": 2, "num_key_value_heads": 2, "head_dim": 16,
+              "moe_intermediate_size": 32, "num_experts": 2, "router_hidden_size": 16},
+     "layer 0: linear-attention layer with a 2-D recurrent state"),
+    # ... and with a sliding window: no layer kind holds a window and a linear state
+    ("zaya", {"num_hidden_layers": 2, "num_key_value_heads": 2, "head_dim": 16,
+              "moe_intermediate_size": 32, "num_experts": 2, "router_hidden_size": 16,
+              "sliding_window": 8, "layer_types": ["hybrid_sliding", "hybrid"]},
+     "layer 0: no engine codec for cache layer kind 'hybrid_sliding'"),
+], ids=["lfm2-short-conv", "zaya-hybrid-cca", "zaya-hybrid-sliding"])
 def test_unsupported_layer_kinds_fail_clearly(model_type: str, kwargs: dict, message: str
                                               ) -> None:
     cfg = AutoConfig.for_model(model_type, vocab_size=128, hidden_size=64,

@@ -29,6 +29,7 @@ import pytest
 from kvhandoff import shapes
 from kvhandoff.errors import (
     IndexLengthMismatch,
+    LayoutError,
     LayoutMismatch,
     OutOfBounds,
     PlanError,
@@ -73,10 +74,14 @@ def sem(shape: ModelShape, comp: Component, t: TensorSpec) -> Sem | None:
                 return Sem(1, (kd, kd, vd), w * s.conv_dtype_bytes)
             if s.has(LayerKind.KDA):  # transposed: (K-1, channels)
                 return Sem(w, (vd, kd, kd), s.conv_dtype_bytes)
+            if s.has(LayerKind.MAMBA1):  # (d_inner, K-1), one channel axis
+                return Sem(1, (s.mamba_intermediate,), w * s.conv_dtype_bytes)
             x = s.mamba_heads * s.mamba_head_dim  # Mamba2: x | B | C
             bc = s.mamba_groups * s.mamba_state
             return Sem(1, (x, bc, bc), w * s.conv_dtype_bytes)
-        if s.has(LayerKind.MAMBA2):  # (heads, head_dim, state) fp32
+        if s.has(LayerKind.MAMBA1):  # (d_inner, state) fp32
+            return Sem(1, (s.mamba_intermediate,), s.mamba_state * 4)
+        if s.has(LayerKind.MAMBA2, LayerKind.ATTN_MAMBA2):  # (heads, head_dim, state) fp32
             return Sem(1, (s.mamba_heads,), s.mamba_head_dim * s.mamba_state * 4)
         return Sem(1, (s.linear_v_heads,), s.linear_v_dim * s.linear_k_dim * 4)
     return None
@@ -333,6 +338,25 @@ def test_golden_edge_lengths(name: str) -> None:
         run_golden(shape, src, dst, num_tokens=n, seed=n)
 
 
+FALCON_H1_LIKE = ModelShape(
+    # every layer keeps attention K/V pages *and* a Mamba2 slot (Falcon-H1's "hybrid" layers)
+    name="attn_mamba2", layers=(LayerKind.ATTN_MAMBA2,) * 4, kv_heads=2, head_dim=8,
+    mamba_heads=8, mamba_head_dim=4, mamba_groups=8, mamba_state=4, aux_row_bytes=64,
+)
+
+
+@pytest.mark.parametrize(("tp_src", "tp_dst"), TP_PAIRS, ids=[f"tp{a}to{b}" for a, b in TP_PAIRS])
+def test_golden_attention_and_mamba2_in_one_layer(tp_src: int, tp_dst: int) -> None:
+    shape = FALCON_H1_LIKE
+    src, dst = build(shape, tp_src, **sizes(shape)), build(shape, tp_dst, **sizes(shape))
+    lay = src.layouts[(0, 0)]
+    for comp, names in (("kv", {"k", "v"}), ("mamba", {"conv", "ssm"})):
+        assert {t.key for t in lay.component(comp).tensors} == {
+            (n, i) for n in names for i in range(4)}
+    out = run_golden(shape, src, dst, num_tokens=37, seed=tp_src * 10 + tp_dst)
+    assert all(out.moved.values())
+
+
 def test_golden_pp4_uneven_stages() -> None:
     shape = shapes.tiny(shapes.QWEN3_NEXT, num_layers=6)
     src = build(shape, 2, pp=4, **sizes(shape))
@@ -422,6 +446,17 @@ def test_real_shapes_have_published_item_sizes() -> None:
     conv = tensor(kimi, "mamba", "conv", 0)
     assert conv.shard is not None and conv.shard.outer == 3
     assert conv.item_bytes == 3 * (3 * 4096) // 2 * 2
+
+
+def test_jamba_mamba1_slots_are_sharded_by_d_inner() -> None:
+    j = real_layout(shapes.JAMBA, 1, 2)  # d_inner 8192, d_state 16, d_conv 4
+    assert tensor(j, "mamba", "conv", 0).item_bytes == 8192 // 2 * 3 * 2  # (d_inner/2, K-1) bf16
+    assert tensor(j, "mamba", "ssm", 0).item_bytes == 8192 // 2 * 16 * 4  # (d_inner/2, 16) fp32
+    assert {t.layer_id for t in j.component("kv").tensors} == {4, 12, 20, 28}
+    assert tensor(j, "kv", "k", 4).item_bytes == 64 * 4 * 128 * 2  # 8 KV heads / TP 2
+    assert len(j.component("mamba").tensors) == 2 * 28
+    with pytest.raises(LayoutError, match="would share the 'mamba' component"):
+        dataclasses.replace(shapes.JAMBA, layers=(LayerKind.MAMBA1, LayerKind.MAMBA2))
 
 
 def test_pp_stages_split_layers_evenly_and_register_only_theirs() -> None:
