@@ -34,10 +34,15 @@ class TensorPlan:
     src_idx: IndexArray
     dst_idx: IndexArray
     pieces: I64  # (k, 6): src_off, dst_off, length, count, src_stride, dst_stride
+    # bytes_per_unit, computed on first use (transports and the session ask per submit)
+    _per_unit: int = field(default=-1, init=False, repr=False, compare=False)
 
     @property
     def bytes_per_unit(self) -> int:
-        return int((self.pieces[:, 2] * self.pieces[:, 3]).sum())
+        if self._per_unit < 0:  # a handful of pieces: plain Python beats a numpy call
+            per_unit = sum(row[2] * row[3] for row in self.pieces.tolist())
+            object.__setattr__(self, "_per_unit", int(per_unit))
+        return self._per_unit
 
     @property
     def nbytes(self) -> int:
@@ -149,7 +154,7 @@ class Plan:
 
     @property
     def nbytes(self) -> int:
-        return sum(e.nbytes for e in self.entries)
+        return sum(e.bytes_per_unit * len(e.src_idx) for e in self.entries)
 
     @property
     def num_pieces(self) -> int:
@@ -164,7 +169,7 @@ class Plan:
         return sum(e.num_segments for e in self.entries)
 
     def __bool__(self) -> bool:
-        return any(e.nbytes for e in self.entries)
+        return any(e.bytes_per_unit and len(e.src_idx) for e in self.entries)
 
     def by_component(self) -> dict[str, int]:
         """Bytes planned per component."""
