@@ -18,6 +18,12 @@ Cases (``--mib`` total bytes moved, default 256 MiB):
                                       lands as 16 rows of 1 KiB in every other 1 KiB of a
                                       32 KiB destination page (the other rank's half)
   block                               one contiguous segment
+  tiny                                latency, not bandwidth: a tiny handoff (one 4 KiB
+                                      page per layer for K and V, 8 layers, a Mamba slot
+                                      in four pieces, an aux row: ~20 segments, ~100 KB)
+                                      submitted and waited for one at a time; p50/p99 of
+                                      submit → wait(DONE), next to a raw socket ping-pong
+                                      of the same bytes (1-byte ack) in the same run
 
 Every run also records the CPU time both processes spend (CPU-s per GB moved: unlike
 GB/s, barely disturbed by other work on the machine). After its cases each transport
@@ -58,7 +64,10 @@ from kvhandoff.transport import TransferState, available_transports, create_tran
 from kvhandoff.transport.testing import PlanBuilder, bump, noise, serve_peer
 
 DEFAULT_JSON = Path("benchmarks") / "results" / "transport.json"
-CASES = ("pages_4k", "pages_32k", "pages_256k", "same_tp_16k", "head_sliced", "block")
+CASES = ("pages_4k", "pages_32k", "pages_256k", "same_tp_16k", "head_sliced", "block", "tiny")
+TINY_N = 400  # timed tiny submits per transport, after TINY_WARM untimed ones
+TINY_WARM = 40
+TINY_GOAL_S = 0.4e-3  # the bare tcp transport's share of the session's 1 ms budget
 TRANSPORTS = ("tcp", "shm", "mooncake", "nixl")
 TIMEOUT = 300.0
 RAW_BATCH = 1024  # Mooncake's default per-peer queue; more in one call is rejected
@@ -275,6 +284,8 @@ def _cases(remote: Remote, src: np.ndarray, total: int, cases: tuple[str, ...]
            ) -> list[tuple[str, Plan, PlanBuilder]]:
     out = []
     for case in cases:
+        if case == "tiny":
+            continue  # a latency case: see tiny_latency
         b = PlanBuilder(np.random.default_rng(7), _carve(src), bump(remote.base, remote.mirror))
         out.append((case, build(case, b, total), b))
     return out
@@ -337,8 +348,10 @@ def _print(row: Row) -> None:
 
 
 def run_transport(name: str, total: int, reps: int, cases: tuple[str, ...],
-                  refs: References) -> tuple[list[Row], dict[str, float]]:
-    """Every case through transport ``name``; then the CPU both sides use idling."""
+                  refs: References, tiny: dict[str, dict[str, Any]]
+                  ) -> tuple[list[Row], dict[str, float]]:
+    """Every case through transport ``name`` (the tiny case into ``tiny[name]``); then
+    the CPU both sides use idling."""
     remote = Remote(name, 2 * total + (1 << 20))
     runs: list[tuple[Row, Callable[[], None]]] = []
     idle: dict[str, float] = {}
@@ -362,6 +375,9 @@ def run_transport(name: str, total: int, reps: int, cases: tuple[str, ...],
             _rounds(runs, reps, refs, remote)
             for row, _ in runs:
                 _print(row)
+            if "tiny" in cases:
+                tiny[name] = tiny_latency(sender, peer, remote, src)
+                _print_tiny(name, tiny[name])
             idle = idle_cpu(remote)
             print(f"  {name:13s} idle for 1 s: sender {idle['sender_cpu_s']:.3f} CPU-s, "
                   f"receiver {idle['receiver_cpu_s']:.3f} CPU-s", flush=True)
@@ -369,6 +385,89 @@ def run_transport(name: str, total: int, reps: int, cases: tuple[str, ...],
     finally:
         remote.close()
     return [row for row, _ in runs], idle
+
+
+def _latency(samples: list[float]) -> dict[str, float]:
+    xs = sorted(samples)
+    return {"p50_ms": 1e3 * xs[len(xs) // 2], "p99_ms": 1e3 * xs[min(len(xs) - 1,
+                                                                   int(0.99 * len(xs)))],
+            "n": len(xs)}
+
+
+def tiny_latency(sender: Any, peer: Any, remote: Remote, src: np.ndarray,
+                 n: int = TINY_N) -> dict[str, Any]:
+    """p50/p99 of submit → wait(DONE) of a tiny handoff, one at a time (checked
+    byte-exact once), and the CPU both processes spend per handoff."""
+    b = PlanBuilder(np.random.default_rng(11), _carve(src), bump(remote.base, remote.mirror))
+    plan = Plan(entries=tuple(b.tiny_handoff()))
+    verify = _verifier(remote, b, plan)
+
+    def once() -> float:
+        t = time.perf_counter()
+        h = sender.submit(peer, plan)
+        state = sender.wait(h, TIMEOUT)
+        dt = time.perf_counter() - t
+        h.release()
+        if state is not TransferState.DONE:
+            raise RuntimeError(f"tiny handoff {state.value}: {h.error}")
+        return dt
+
+    out: dict[str, Any] = {"segments": plan.num_segments, "nbytes": plan.nbytes}
+    try:
+        once()
+        out["verified"] = verify()
+        if not out["verified"]:
+            raise RuntimeError("receiver bytes differ from the oracle")
+        for _ in range(TINY_WARM):
+            once()
+        r0, u0 = float(remote.ask("cpu")), _own_cpu()
+        out.update(_latency([once() for _ in range(n)]))
+        out["cpu_ms_per_handoff"] = {"sender": 1e3 * (_own_cpu() - u0) / n,
+                                     "receiver": 1e3 * (float(remote.ask("cpu")) - r0) / n}
+    except Exception as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def pingpong(nbytes: int, n: int = TINY_N) -> dict[str, Any]:
+    """Raw socket reference for the tiny case: ``sendall`` of ``nbytes`` to a child
+    process that ``recv_into``s them and answers one byte; p50/p99 of the round trip."""
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    proc = ctx.Process(target=_socket_sink, args=(b, nbytes), daemon=True)
+    proc.start()
+    b.close()
+    try:
+        if not a.poll(60):
+            raise TimeoutError("ping-pong sink did not start")
+        with socket.create_connection(("127.0.0.1", a.recv()), timeout=60) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            data = memoryview(noise(np.random.default_rng(5), nbytes).data)
+            samples = []
+            for i in range(TINY_WARM + n):
+                t = time.perf_counter()
+                sock.sendall(data)
+                if sock.recv(1) != b"k":
+                    raise RuntimeError("ping-pong sink went away")
+                if i >= TINY_WARM:
+                    samples.append(time.perf_counter() - t)
+        return {**_latency(samples), "nbytes": nbytes}
+    finally:
+        a.close()
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+
+
+def _print_tiny(name: str, r: dict[str, Any]) -> None:
+    if "error" in r:
+        print(f"  {name:13s} tiny         {r['error']}", flush=True)
+        return
+    cpu = r.get("cpu_ms_per_handoff")
+    print(f"  {name:13s} tiny         p50 {r['p50_ms']:6.3f} ms  p99 {r['p99_ms']:6.3f} ms"
+          f"  ({r.get('segments', '?')} segments, {r['nbytes']} B"
+          + (f"; CPU ms/handoff sender {cpu['sender']:.3f} receiver {cpu['receiver']:.3f})"
+             if cpu else ")"), flush=True)
 
 
 def idle_cpu(remote: Remote, seconds: float = 1.0) -> dict[str, float]:
@@ -441,7 +540,8 @@ def _paired(a: Row, ref: Row | str) -> tuple[float, str]:
     return (a.gbps / ref.gbps if ref.gbps else 0.0), "ratio of medians"
 
 
-def goals(rows: list[Row], idle: dict[str, dict[str, float]]) -> list[Goal]:
+def goals(rows: list[Row], idle: dict[str, dict[str, float]],
+          tiny: dict[str, dict[str, Any]] | None = None) -> list[Goal]:
     """The transport goals, each as a ratio measured in this run."""
     by = {(r.path, r.case): r for r in rows if not r.error and r.seconds}
     out: list[Goal] = []
@@ -461,6 +561,10 @@ def goals(rows: list[Row], idle: dict[str, dict[str, float]]) -> list[Goal]:
     for t in TRANSPORTS:
         add(f"{t} head_sliced >= 0.8x same_tp_16k", (t, "head_sliced"), (t, "same_tp_16k"),
             0.8)
+    t_tcp = (tiny or {}).get("tcp", {})
+    if t_tcp.get("p50_ms"):
+        out.append(Goal(f"tcp tiny p50 <= {TINY_GOAL_S * 1e3:.1f} ms (ratio: goal / p50)",
+                        TINY_GOAL_S * 1e3 / t_tcp["p50_ms"], 1.0, "submit → DONE"))
     for t, cpu in idle.items():
         busy = max(cpu["sender_cpu_s"], cpu["receiver_cpu_s"]) / cpu["seconds"]
         out.append(Goal(f"{t} idle: <5% of a core busy on either side (ratio: 1 - busy)",
@@ -525,6 +629,7 @@ def main(argv: list[str] | None = None) -> int:
     refs = References(total)
     rows: list[Row] = []
     idle: dict[str, dict[str, float]] = {}
+    tiny: dict[str, dict[str, Any]] = {}
     skipped: dict[str, str] = {}
     try:
         for n in names:
@@ -532,8 +637,12 @@ def main(argv: list[str] | None = None) -> int:
                 skipped[n] = avail[n].reason if n in avail else "unknown transport"
                 print(f"  {n}: skipped ({skipped[n]})", flush=True)
                 continue
-            got, idle[n] = run_transport(n, total, reps, cases, refs)
+            got, idle[n] = run_transport(n, total, reps, cases, refs, tiny)
             rows += got
+        if "tiny" in cases and tiny:
+            nbytes = next(int(r["nbytes"]) for r in tiny.values())
+            tiny["raw-pingpong"] = pingpong(nbytes)
+            _print_tiny("raw-pingpong", tiny["raw-pingpong"])
         if not args.no_raw and "mooncake" in names and "mooncake" not in skipped:
             rows += run_mooncake_raw(total, reps, cases)
     finally:
@@ -542,7 +651,7 @@ def main(argv: list[str] | None = None) -> int:
     print("  references (medians over rounds): " + "   ".join(
         f"{k[:-5]} {v:.2f} GB/s" for k, v in base.items()), flush=True)
 
-    results = goals(rows, idle)
+    results = goals(rows, idle, tiny)
     report: dict[str, Any] = {
         "machine": {"python": sys.version.split()[0], "platform": platform.platform(),
                     "numpy": np.__version__, "cpus": mp.cpu_count(),
@@ -554,6 +663,7 @@ def main(argv: list[str] | None = None) -> int:
                      "ratio_memcpy": r.gbps / base["memcpy_gbps"],
                      "ratio_raw_socket": r.gbps / base["raw_socket_gbps"]} for r in rows],
         "idle": idle,
+        "tiny": tiny,
         "goals": [{"name": g.name, "ratio": round(g.ratio, 3), "goal": g.goal, "met": g.met,
                    "how": g.how} for g in results],
         "skipped": skipped,
@@ -566,7 +676,9 @@ def main(argv: list[str] | None = None) -> int:
     for g in results:
         print(f"  {'met    ' if g.met else 'NOT met'} {g.name}: {g.ratio:.3f}x ({g.how})")
     print(f"wrote {args.json}" + (f" and {png}" if drew else " (no matplotlib: no PNG)"))
-    return 0 if all(not r.error for r in rows) else 1
+    broken = [r.error for r in rows if r.error] + [t["error"] for t in tiny.values()
+                                                   if "error" in t]
+    return 0 if not broken else 1
 
 
 if __name__ == "__main__":

@@ -40,6 +40,9 @@ Contract every transport keeps (the conformance suite in ``tests/conformance`` c
   so a peer is only guaranteed to see the registrations made before the ``endpoint()``
   it connected with. After registering more destination memory, hand out a fresh
   endpoint and reconnect (tcp and memory also see later registrations; don't rely on it).
+* **Completion callbacks.** ``handle.add_done_callback(fn)`` calls ``fn(handle)`` once
+  when the handle becomes final, from the thread that completed it (or at once if it
+  already is), so a caller can react without a thread of its own waiting.
 * **Empty plans** complete ``DONE`` at once. Zero-length registrations are accepted and
   address nothing.
 
@@ -60,6 +63,7 @@ from __future__ import annotations
 
 import abc
 import enum
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -78,6 +82,9 @@ from kvhandoff.transport.errors import (
     TransportError,
 )
 from kvhandoff.transport.regions import U8, RegionTable, plan_side_problem, raw_view
+from kvhandoff.transport.small import plan_views
+
+log = logging.getLogger("kvhandoff.transport")
 
 Registrable = Layout | Region | TensorSpec | np.ndarray
 """What ``register`` accepts (or an iterable of these)."""
@@ -125,7 +132,8 @@ class Handle:
     may still land) and the transport's ``on_release`` callback runs exactly once.
     """
 
-    __slots__ = ("_cond", "_error", "_on_release", "_released", "_state", "nbytes", "peer")
+    __slots__ = ("_callbacks", "_cond", "_error", "_on_release", "_released", "_state", "nbytes",
+                 "peer")
 
     def __init__(self, *, nbytes: int, peer: str = "",
                  on_release: Callable[[Handle], None] | None = None) -> None:
@@ -136,6 +144,7 @@ class Handle:
         self._error: TransportError | None = None
         self._released = False
         self._on_release = on_release
+        self._callbacks: list[Callable[[Handle], None]] | None = None
 
     @classmethod
     def completed(cls, *, nbytes: int = 0, peer: str = "") -> Handle:
@@ -168,8 +177,35 @@ class Handle:
             if self._state is not TransferState.PENDING:
                 return False
             self._state, self._error = state, error
+            callbacks, self._callbacks = self._callbacks, None
             self._cond.notify_all()
+        for fn in callbacks or ():
+            self._run_callback(fn)
         return True
+
+    def add_done_callback(self, fn: Callable[[Handle], None]) -> None:
+        """Call ``fn(handle)`` once, when the state becomes final (``DONE`` or ``FAILED``,
+        including a cancelling :meth:`release`).
+
+        It runs in the thread that completes the handle (a transport thread, or the
+        thread polling an engine in ``wait``), after waiters were woken and outside the
+        handle's lock; if the handle is already final it runs now, in this thread.
+        Callbacks run in the order they were added. Keep them short and non-blocking:
+        they delay the transport's thread. An exception from ``fn`` is logged and
+        swallowed (it never breaks the transport)."""
+        with self._cond:
+            if self._state is TransferState.PENDING:
+                if self._callbacks is None:
+                    self._callbacks = []
+                self._callbacks.append(fn)
+                return
+        self._run_callback(fn)
+
+    def _run_callback(self, fn: Callable[[Handle], None]) -> None:
+        try:
+            fn(self)
+        except Exception:
+            log.exception("done-callback %r of %r raised; ignored", fn, self)
 
     def wait(self, timeout: float) -> TransferState:
         """Block until final or ``timeout`` seconds pass; returns the state then."""
@@ -329,7 +365,9 @@ class Transport(abc.ABC):
 
     def check_sources(self, plan: Plan) -> None:
         """Raise OutOfBounds unless every source byte of ``plan`` is registered here."""
-        problem = plan_side_problem(plan, self.local, "src")
+        small = plan_views(plan, self.local, "src", make=False)  # a tiny plan: no numpy
+        problem = small if isinstance(small, str) else (
+            None if small is not None else plan_side_problem(plan, self.local, "src"))
         if problem is not None:
             raise OutOfBounds(f"{self.name}: {problem} of this transport")
 

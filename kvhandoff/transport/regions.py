@@ -18,7 +18,7 @@ import bisect
 import ctypes
 import itertools
 from collections.abc import Iterable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -38,18 +38,29 @@ def raw_view(ptr: int, nbytes: int) -> U8:
     return np.ctypeslib.as_array((ctypes.c_ubyte * nbytes).from_address(ptr))
 
 
-@dataclass(frozen=True, slots=True)
-class Span:
+_FEW_IDX = 32
+
+
+class Span(NamedTuple):
     """A half-open byte interval ``[lo, hi)``; ``hi == lo`` touches nothing."""
 
     lo: int
     hi: int
 
 
-def piece_span(ptr: int, unit: int, idx: I64, off: int, length: int, count: int, stride: int
-               ) -> Span:
+def index_range(idx: I64) -> tuple[int, int]:
+    """``(min, max)`` of a non-empty index array, as Python ints (Python's own min/max
+    on a few indices: two numpy reductions cost more than the list)."""
+    if len(idx) <= _FEW_IDX:
+        few = idx.tolist()
+        return min(few), max(few)
+    return int(idx.min()), int(idx.max())
+
+
+def piece_span(ptr: int, unit: int, idx: I64, off: int, length: int, count: int, stride: int,
+               bounds: tuple[int, int] | None = None) -> Span:
     """Every byte ``ptr + idx[u]*unit + off + j*stride + [0, length)`` for all u, j < count
-    (and ``ptr`` itself).
+    (and ``ptr`` itself). ``bounds``: ``index_range(idx)`` if the caller has it.
 
     Raises ``ValueError`` on negative sizes, strides or indices (planner output never
     has them; a peer that sends them is malformed)."""
@@ -60,7 +71,7 @@ def piece_span(ptr: int, unit: int, idx: I64, off: int, length: int, count: int,
         )
     if not len(idx) or not length or not count:
         return Span(ptr, ptr)
-    lo_i, hi_i = int(idx.min()), int(idx.max())
+    lo_i, hi_i = index_range(idx) if bounds is None else bounds
     if lo_i < 0:
         raise ValueError(f"negative unit index {lo_i}")
     # the tensor's own ptr is included so views can be taken from it
@@ -72,7 +83,7 @@ def piece_span(ptr: int, unit: int, idx: I64, off: int, length: int, count: int,
 class RegionTable:
     """Sorted, non-overlapping registered blocks. Immutable; thread-safe to read."""
 
-    __slots__ = ("_bufs", "_ends", "_regions", "_starts", "ends", "starts")
+    __slots__ = ("_bufs", "_ends", "_mvs", "_regions", "_starts", "ends", "starts")
 
     def __init__(self, blocks: Iterable[tuple[Region, U8]] = ()) -> None:
         items = sorted(((r, b) for r, b in blocks if r.nbytes > 0), key=lambda rb: rb[0].ptr)
@@ -84,6 +95,7 @@ class RegionTable:
                 )
         self._regions: tuple[Region, ...] = tuple(r for r, _ in items)
         self._bufs: tuple[U8, ...] = tuple(b for _, b in items)
+        self._mvs: tuple[memoryview, ...] = tuple(b.data for b in self._bufs)
         self._starts: list[int] = [r.ptr for r in self._regions]
         self._ends: list[int] = [r.ptr + r.nbytes for r in self._regions]
         self.starts = np.array(self._starts, dtype=np.int64)
@@ -130,6 +142,15 @@ class RegionTable:
     def contains(self, span: Span) -> bool:
         return span.hi == span.lo or self.locate(span) >= 0
 
+    def span_view(self, lo: int, hi: int) -> tuple[memoryview, int] | None:
+        """``(mv, off)``: a memoryview of the region holding all of ``[lo, hi)``, whose
+        byte ``mv[a + off]`` is address ``a``; None if no region holds it all. Python
+        ints only (the small-frame path's lookup)."""
+        i = bisect.bisect_right(self._starts, lo) - 1
+        if i < 0 or hi > self._ends[i] or hi < lo:
+            return None
+        return self._mvs[i], -self._starts[i]
+
     def buffer(self, i: int) -> U8:
         """The whole uint8 buffer of region ``i`` (as ``locate`` numbers them)."""
         return self._bufs[i]
@@ -169,9 +190,10 @@ def plan_side_problem(plan: Plan, table: RegionTable, side: str) -> str | None:
     for e in plan.entries:
         ptr, unit, idx = (e.src_ptr, e.src_unit, e.src_idx) if src else (
             e.dst_ptr, e.dst_unit, e.dst_idx)
+        bounds = index_range(idx) if len(idx) else None
         for so, do, ln, cnt, ss, ds in e.pieces.tolist():
             off, stride = (so, ss) if src else (do, ds)
-            span = piece_span(ptr, unit, idx, off, ln, cnt, stride)
+            span = piece_span(ptr, unit, idx, off, ln, cnt, stride, bounds)
             if not table.contains(span):
                 return (
                     f"{'source' if src else 'destination'} bytes [{span.lo:#x}, {span.hi:#x}) "

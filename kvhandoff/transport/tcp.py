@@ -17,10 +17,13 @@ from __future__ import annotations
 import json
 import secrets
 
+from kvhandoff.plan.model import Plan
+from kvhandoff.transport import tcp_small
 from kvhandoff.transport._served import ServedTransport
-from kvhandoff.transport.base import Capabilities
+from kvhandoff.transport.base import Capabilities, Handle, Peer
 from kvhandoff.transport.errors import ConnectError
 from kvhandoff.transport.regions import RegionTable
+from kvhandoff.transport.small import MAX_BYTES
 from kvhandoff.transport.tcp_client import TcpPeer
 from kvhandoff.transport.tcp_server import TcpServer
 from kvhandoff.transport.tcp_wire import MAX_PAYLOAD
@@ -73,6 +76,18 @@ class TcpTransport(ServedTransport):
             host, port = server.host, server.port
         return json.dumps({"kind": ENDPOINT_KIND, "v": ENDPOINT_VERSION, "host": host,
                            "port": port, "token": self._token}).encode()
+
+    def submit(self, peer: Peer, plan: Plan) -> Handle:
+        """Small plans (a tiny handoff) take the pure-Python path of :mod:`tcp_small`:
+        one frame, written by this thread when a connection is idle."""
+        self._check_open()
+        if not isinstance(peer, TcpPeer):
+            raise TypeError(f"{self.name} transport cannot submit to {peer!r}")
+        small = tcp_small.build(plan, self.local, self.name,
+                                min(self._frame_bytes, MAX_BYTES))
+        if small is None:
+            return super().submit(peer, plan)
+        return peer.submit_small(small)
 
     def connect(self, peer_endpoint: bytes) -> TcpPeer:
         self._check_open()

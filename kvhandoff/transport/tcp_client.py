@@ -9,6 +9,12 @@ and the data frames are queued only once the receiver accepted it, so a refused 
 writes nothing. Frames go round-robin over the connections; the handle is DONE when
 every frame was acknowledged.
 
+Latency: a small plan (a tiny handoff, see tcp_small) is one frame, written by the
+submitting thread itself when its connection is idle, without blocking (``os.writev``
+on the socket's non-blocking descriptor); bytes the kernel does not take at once stay
+in the connection's backlog, which its sender thread writes before anything else.
+That saves a thread hand-off (tens of µs on a loaded VM) per small submit.
+
 Failure: any socket error, EOF, malformed reply, or a reply that does not come within
 ``io_timeout`` of the frame being sent marks the whole peer lost: every pending
 transfer fails with PeerLost, sockets are shut down, threads exit by themselves.
@@ -30,13 +36,15 @@ from kvhandoff.transport._served import WorkerPeer, recv_reply, shut
 from kvhandoff.transport.base import Handle, TransferState
 from kvhandoff.transport.errors import (
     ConnectError,
+    PeerLost,
     ProtocolError,
     TransportError,
 )
 from kvhandoff.transport.regions import RegionTable
 from kvhandoff.transport.tcp_data import Sink
-from kvhandoff.transport.tcp_io import recv_exact
+from kvhandoff.transport.tcp_io import recv_exact, send_views, write_some
 from kvhandoff.transport.tcp_plan import Chunk, dst_records, plan_records, split
+from kvhandoff.transport.tcp_small import SmallFrame
 from kvhandoff.transport.tcp_wire import FLAG_CHECK, HEADER, Header, Kind, Status, reply_error
 
 
@@ -63,16 +71,27 @@ class _Frame:
     payload_len: int
     chunks: list[Chunk] | None  # dropped once sent
     check: bool = False  # validate the whole plan, write nothing
+    views: list[memoryview] | None = None  # a small frame's source bytes (tcp_small)
     seq: int = 0
     sent_at: float | None = None
 
 
 @dataclass(eq=False)
 class _Conn:
+    """One socket. ``lock`` guards writing to it: the sink, ``seq``, ``inflight``
+    (appended in stream order) and ``backlog`` (bytes an inline write left over)."""
+
     sock: socket.socket
+    sink: Sink
     queue: queue.SimpleQueue[_Frame | None] = field(default_factory=queue.SimpleQueue)
     inflight: deque[_Frame] = field(default_factory=deque)
     seq: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    backlog: list[memoryview] = field(default_factory=list)
+
+
+_KICK = _Frame(_Transfer(Handle(nbytes=0), []), b"", 0, None)
+"""Wakes a sender thread to write its connection's backlog; never sent itself."""
 
 
 class TcpPeer(WorkerPeer):
@@ -89,7 +108,8 @@ class TcpPeer(WorkerPeer):
         self._conns: list[_Conn] = []
         try:
             for _ in range(max(1, connections)):
-                self._conns.append(_Conn(self._dial(host, port, token, connect_timeout)))
+                sock = self._dial(host, port, token, connect_timeout)
+                self._conns.append(_Conn(sock, Sink(sock, min(frame_bytes, 8 << 20))))
         except BaseException:
             for c in self._conns:
                 c.sock.close()
@@ -160,6 +180,58 @@ class TcpPeer(WorkerPeer):
             self._conns[(start + i) % len(self._conns)].queue.put(frame)
         transfer.frames = []  # the frames own their chunks now
 
+    def submit_small(self, small: SmallFrame) -> Handle:
+        """Send a small plan's frame (built and source-checked by ``tcp_small.build``),
+        from this thread when a connection is idle."""
+        transfer: _Transfer
+        handle = Handle(nbytes=small.nbytes, peer=self.name,
+                        on_release=lambda h: self._forget(transfer))
+        transfer = _Transfer(handle, [[]])
+        transfer.frames = []
+        if not self._track(transfer):
+            return handle
+        frame = _Frame(transfer, small.desc, small.nbytes, None, views=small.views)
+        conn = self._conns[next(self._rr) % len(self._conns)]
+        if not self._send_inline(conn, frame):
+            conn.queue.put(frame)
+        return handle
+
+    def _send_inline(self, conn: _Conn, frame: _Frame) -> bool:
+        """Write ``frame`` from this thread if ``conn`` is idle, without blocking: what
+        the kernel does not take now is left to the sender thread. False (nothing
+        done) if the connection is busy."""
+        if not conn.queue.empty() or not conn.lock.acquire(blocking=False):
+            return False
+        try:
+            if conn.backlog or self._error is not None:
+                return False
+            self._write_frame(conn, frame)
+            try:
+                conn.backlog = write_some(conn.sock, conn.sink.take())
+            except OSError as e:
+                self._fail(PeerLost(f"lost {self.name}: {type(e).__name__}: {e}"))
+                return True
+            frame.sent_at = time.monotonic()
+        finally:
+            conn.lock.release()
+        if conn.backlog:
+            conn.queue.put(_KICK)  # the sender thread writes the rest
+        return True
+
+    def _write_frame(self, conn: _Conn, frame: _Frame) -> None:
+        """Queue ``frame`` into the connection's sink (under ``conn.lock``)."""
+        frame.seq = next(conn.seq)
+        conn.inflight.append(frame)
+        flags = FLAG_CHECK if frame.check else 0
+        head = Header(Kind.WRITE, flags, frame.seq, len(frame.desc), frame.payload_len)
+        conn.sink.add(head.pack() + frame.desc)
+        if frame.views:
+            conn.sink.extend(frame.views)
+        table = self._table()
+        for c in frame.chunks or ():
+            conn.sink.chunk(c, table)
+        frame.chunks = frame.views = None  # drop references to plan memory early
+
     def _finish(self, transfer: _Transfer, error: TransportError | None) -> None:
         if error is None:
             transfer.handle.set_done()
@@ -170,24 +242,19 @@ class TcpPeer(WorkerPeer):
     # --- threads -------------------------------------------------------------------
 
     def _send_loop(self, conn: _Conn) -> None:
-        sink = Sink(conn.sock, min(self._frame_bytes, 8 << 20))
         while True:
             frame = conn.queue.get()
             if frame is None or self._error is not None:
                 return
-            if frame.transfer.handle.state is not TransferState.PENDING:
-                continue  # failed or released meanwhile: do not send
-            frame.seq = next(conn.seq)
-            conn.inflight.append(frame)
-            flags = FLAG_CHECK if frame.check else 0
-            head = Header(Kind.WRITE, flags, frame.seq, len(frame.desc), frame.payload_len)
-            conn.sock.sendall(head.pack() + frame.desc)
-            table = self._table()
-            for c in frame.chunks or ():
-                sink.chunk(c, table)
-            sink.flush()
-            frame.sent_at = time.monotonic()
-            frame.chunks = None  # drop references to plan arrays early
+            with conn.lock:
+                if conn.backlog:  # what an inline write left over goes first
+                    send_views(conn.sock, conn.backlog)
+                    conn.backlog = []
+                if frame is _KICK or frame.transfer.handle.state is not TransferState.PENDING:
+                    continue  # failed or released meanwhile: do not send
+                self._write_frame(conn, frame)
+                conn.sink.flush()
+                frame.sent_at = time.monotonic()
 
     def _read_loop(self, conn: _Conn) -> None:
         buf = bytearray(HEADER.size)

@@ -7,6 +7,10 @@ buffer (several chunks share one ``sendall``). Receiver: :func:`scatter` reads e
 record straight into destination memoryviews (``recvmsg_into``) when runs are large,
 or into a bounce buffer followed by one fancy-indexed numpy assignment per batch.
 
+Pieces of a few segments (a tiny handoff: one page per layer, a Mamba slot) skip numpy
+altogether: their addresses are computed with Python integers and they move as
+memoryviews, so a whole small frame is one ``sendmsg`` and one ``recvmsg_into``.
+
 Both sides pick the same way from their own geometry; the byte stream is the same.
 """
 
@@ -20,6 +24,7 @@ import numpy.typing as npt
 from kvhandoff.transport.regions import U8, RegionTable
 from kvhandoff.transport.tcp_io import recv_exact, recv_views, runs, send_views, slices
 from kvhandoff.transport.tcp_plan import Chunk
+from kvhandoff.transport.tcp_wire import Records
 from kvhandoff.transport.views import as_rows, piece_view, take_into, unit_contiguous
 
 I64 = npt.NDArray[np.int64]
@@ -31,6 +36,26 @@ what the socket just wrote while it is still in cache."""
 IOV_MIN = 16 << 10
 """Runs at least this long (on average) move as memoryviews; shorter ones are batched
 through the bounce buffer, where one numpy call replaces one Python call per run."""
+
+
+SMALL_SEGS = 64
+"""Pieces of at most this many segments (units × rows) are addressed with Python
+integers and moved as memoryviews: a few µs instead of a dozen numpy calls."""
+
+
+def small_starts(idx: I64, unit: int, off: int, length: int, count: int, stride: int
+                 ) -> tuple[list[int], int] | None:
+    """``(segment starts relative to the tensor ptr, segment length)`` of a piece with
+    at most :data:`SMALL_SEGS` segments, else None."""
+    n = len(idx)
+    if unit_contiguous(count, stride, length):
+        if n > SMALL_SEGS:
+            return None
+        return [u * unit + off for u in idx.tolist()], length * count
+    if n * count > SMALL_SEGS:
+        return None
+    rows = [j * stride for j in range(count)]
+    return [u * unit + off + r for u in idx.tolist() for r in rows], length
 
 
 def _segments(idx: I64, unit: int, off: int, length: int, count: int, stride: int
@@ -52,26 +77,64 @@ def _segments(idx: I64, unit: int, off: int, length: int, count: int, stride: in
 
 
 class Sink:
-    """Writes payload for one connection. Not thread-safe: one per sender thread."""
+    """Writes one connection's frames. Not thread-safe: one per sender thread.
+
+    Bytes are queued in order, as memoryviews of source memory (:meth:`add`, or
+    chunks whose runs are long or few) or gathered into the bounce buffer (short
+    runs); :meth:`flush` sends everything queued with as few ``sendmsg`` calls as the
+    kernel allows. Nothing queued may change before ``flush``."""
 
     def __init__(self, sock: socket.socket, bounce_bytes: int) -> None:
         self._sock = sock
         self._bounce: U8 = np.empty(bounce_bytes, np.uint8)
         self._mv = self._bounce.data
-        self._pos = 0
+        self._pos = 0  # bounce bytes used
+        self._mark = 0  # bounce bytes already queued as a view
+        self._out: list[memoryview] = []
+
+    def add(self, data: bytes | memoryview) -> None:
+        """Queue ``data`` (kept by reference until ``flush``)."""
+        self._seal()
+        self._out.append(memoryview(data))
+
+    def extend(self, views: list[memoryview]) -> None:
+        """Queue ``views`` (kept by reference until ``flush``)."""
+        self._seal()
+        self._out += views
+
+    def _seal(self) -> None:
+        if self._pos > self._mark:
+            self._out.append(self._mv[self._mark:self._pos])
+            self._mark = self._pos
+
+    def take(self) -> list[memoryview]:
+        """Everything queued, for the caller to send; the sink starts afresh. The
+        views may point into the bounce buffer: send them before using the sink again."""
+        self._seal()
+        out, self._out = self._out, []
+        self._pos = self._mark = 0
+        return out
 
     def flush(self) -> None:
-        if self._pos:
-            self._sock.sendall(self._mv[:self._pos])
-            self._pos = 0
+        self._seal()
+        if self._out:
+            send_views(self._sock, self._out)
+        self._out = []
+        self._pos = self._mark = 0
 
     def chunk(self, c: Chunk, table: RegionTable) -> None:
-        """Send chunk ``c``'s bytes, read from the (validated) source ``table``."""
+        """Queue chunk ``c``'s bytes, read from the (validated) source ``table``."""
         buf = table.view(c.src_ptr)
+        few = small_starts(c.src_idx, c.src_unit, c.src_off, c.length, c.count, c.src_stride)
+        if few is not None:
+            self._seal()
+            mv, n = buf.data, few[1]
+            self._out += [mv[s:s + n] for s in few[0]]
+            return
         segs = _segments(c.src_idx, c.src_unit, c.src_off, c.length, c.count, c.src_stride)
         if segs is not None:
-            self.flush()
-            send_views(self._sock, slices(buf.data, *segs))
+            self._seal()
+            self._out += slices(buf.data, *segs)
             return
         view = piece_view(buf, c.src_off, c.src_unit, c.count, c.src_stride, c.length)
         b = c.unit_bytes
@@ -96,6 +159,28 @@ class Sink:
             take_into(as_rows(view), c.src_idx[a:a + k], as_rows(dest))
             self._pos += k * b
             a += k
+
+
+def receive(sock: socket.socket, table: RegionTable, records: Records, bounce: U8) -> None:
+    """Receive a frame's payload into the (validated) destination ``table``: runs of
+    small records are received together with one ``recvmsg_into`` (no numpy)."""
+    pending: list[memoryview] = []
+    for r in range(len(records)):
+        rec = records.record(r)
+        ptr, unit, off, length, count, stride, idx = rec
+        if not len(idx) or not length or not count:
+            continue
+        few = small_starts(idx, unit, off, length, count, stride)
+        if few is not None:
+            mv, n = table.view(ptr).data, few[1]
+            pending += [mv[s:s + n] for s in few[0]]
+            continue
+        if pending:
+            recv_views(sock, pending)
+            pending = []
+        scatter(sock, table, rec, bounce)
+    if pending:
+        recv_views(sock, pending)
 
 
 def scatter(sock: socket.socket, table: RegionTable, rec: tuple[int, int, int, int, int, int, I64],

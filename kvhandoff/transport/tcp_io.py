@@ -8,6 +8,7 @@ iteration moves at least one byte or raises.
 
 from __future__ import annotations
 
+import os
 import socket
 
 import numpy as np
@@ -50,6 +51,23 @@ def send_views(sock: socket.socket, views: list[memoryview]) -> None:
     views = [v for v in views if len(v)]
     while i < len(views):
         i = _advance(views, i, sock.sendmsg(views[i:i + IOV_BATCH]))
+
+
+def write_some(sock: socket.socket, views: list[memoryview]) -> list[memoryview]:
+    """Write as much of ``views`` as the kernel takes now, without blocking; returns
+    what is left (empty when all was written). Needs the socket in timeout mode
+    (Python keeps its descriptor non-blocking then); ``os.writev`` skips the
+    readiness poll a timeout-mode ``sendmsg`` makes first."""
+    assert sock.gettimeout() is not None, "write_some needs a socket with a timeout"
+    fd, i = sock.fileno(), 0
+    views = [v for v in views if len(v)]
+    while i < len(views):
+        try:
+            n = os.writev(fd, views[i:i + IOV_BATCH])
+        except BlockingIOError:
+            break
+        i = _advance(views, i, n)
+    return views[i:]
 
 
 def recv_views(sock: socket.socket, views: list[memoryview]) -> None:

@@ -23,8 +23,9 @@ import numpy as np
 from kvhandoff.transport._served import ThreadedServer
 from kvhandoff.transport.errors import ProtocolError
 from kvhandoff.transport.regions import RegionTable
-from kvhandoff.transport.tcp_data import scatter
-from kvhandoff.transport.tcp_io import drain, recv_exact, recv_header
+from kvhandoff.transport.tcp_data import receive
+from kvhandoff.transport.tcp_io import drain, recv_exact, recv_header, recv_views
+from kvhandoff.transport.tcp_small import dst_views
 from kvhandoff.transport.tcp_wire import FLAG_CHECK, HEADER, Header, Kind, Records, Status
 
 
@@ -100,7 +101,9 @@ class _Connection:
             self.reply(h.seq, Status.MALFORMED, str(e))
             raise
         table = self.server.table()
-        problem = records.problem(table)
+        small = None if check_only else dst_views(records, table)
+        problem = small if isinstance(small, str) else (
+            None if small is not None else records.problem(table))
         if problem is not None:
             drain(self.sock, h.payload_len, self.bounce.data)
             self.reply(h.seq, Status.OUT_OF_BOUNDS, problem)
@@ -108,6 +111,8 @@ class _Connection:
         if check_only:
             self.reply(h.seq, Status.OK)
             return
-        for r in range(len(records)):
-            scatter(self.sock, table, records.record(r), self.bounce)
+        if isinstance(small, list):
+            recv_views(self.sock, small)
+        else:
+            receive(self.sock, table, records, self.bounce)
         self.reply(h.seq, Status.OK)

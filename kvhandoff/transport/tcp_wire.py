@@ -20,6 +20,7 @@ from __future__ import annotations
 import enum
 import struct
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -45,7 +46,7 @@ MAX_DESC = 64 << 20  # larger descriptions or payloads are malformed: they bound
 MAX_PAYLOAD = 1 << 32  # a hostile frame can make a receiver allocate or wait for
 MAX_RECORDS = 1 << 22
 _FIELDS = 7
-_FEW = 8  # record tables up to this size are bounds-checked without vectorising
+_FEW = 64  # record tables up to this size are bounds-checked without vectorising
 _LIMIT = float(1 << 62)  # any address arithmetic beyond this is refused, never wrapped
 
 
@@ -77,8 +78,9 @@ def reply_error(status: int, message: str, peer: str) -> TransportError:
     return RemoteRefused(f"{peer} answered status {status}: {message}")
 
 
-@dataclass(frozen=True, slots=True)
-class Header:
+class Header(NamedTuple):
+    """A frame header (a NamedTuple: built and parsed for every frame)."""
+
     kind: Kind
     code: int
     seq: int
@@ -132,8 +134,9 @@ class Records:
         return int((n_idx * self.fields[:, 3] * self.fields[:, 4]).sum())
 
     def record(self, r: int) -> tuple[int, int, int, int, int, int, I64]:
-        ptr, unit, off, length, count, stride = (int(v) for v in self.fields[r])
-        return ptr, unit, off, length, count, stride, self.idx[self.bounds[r]:self.bounds[r + 1]]
+        ptr, unit, off, length, count, stride = self.fields[r].tolist()
+        a, z = self.bounds[r:r + 2].tolist()
+        return ptr, unit, off, length, count, stride, self.idx[a:z]
 
     def encode(self) -> bytes:
         n = len(self.fields)
@@ -204,8 +207,9 @@ class Records:
                 f"{int(a[bad])} lie outside the receiver's registered memory")
 
     def _problem_few(self, table: RegionTable) -> str | None:
-        for r in range(len(self)):
-            ptr, unit, off, length, count, stride, idx = self.record(r)
+        fields, bounds = self.fields.tolist(), self.bounds.tolist()
+        for r, (ptr, unit, off, length, count, stride) in enumerate(fields):
+            idx = self.idx[bounds[r]:bounds[r + 1]]
             if not len(idx) or not length or not count:
                 continue
             span = piece_span(ptr, unit, idx, off, length, count, stride)

@@ -29,7 +29,8 @@ Alloc = Callable[[int], tuple[int, np.ndarray]]
 """``nbytes -> (address the receiver sees, local array holding the same initial bytes)``."""
 
 KINDS = ("pages_4k", "pages_256k", "head_slice_gather", "head_slice_split", "mamba_groups",
-         "wide_rows", "tiny_many", "huge", "mixed", "empty", "zero_units")
+         "wide_rows", "tiny_many", "huge", "mixed", "empty", "zero_units", "tiny_handoff",
+         "tiny_head_sliced", "pages_dense")
 
 
 def noise(rng: np.random.Generator, nbytes: int) -> np.ndarray:
@@ -126,6 +127,28 @@ class PlanBuilder:
                 self.pair(src_unit=70000 * 256, dst_unit=70000 * 160, cap=1, n=1,
                           pieces=[[0, 0, 128, 70000, 256, 160]]),
             ]
+        if kind == "tiny_handoff":  # a short request: see tiny_handoff()
+            return self.tiny_handoff()
+        if kind == "tiny_head_sliced":  # few pages, head-sliced (TP2 → TP1): strided rows
+            rows, half = 16, 256
+            return [self.pair(src_unit=rows * half, dst_unit=2 * rows * half, cap=6, n=2,
+                              pieces=[[0, half, half, rows, half, 2 * half]]),
+                    self.pair(src_unit=4 * rows * 64, dst_unit=rows * 64, cap=3, n=1,
+                              pieces=[[64, 0, 64, rows, 4 * 64, 64]])]
+        if kind == "pages_dense":  # every unit of a range moves: copy order is free
+            b, n = 4096, 300
+            full = self.pair(src_unit=b, dst_unit=b, cap=n, n=n, pieces=[[0, 0, b, 1, b, b]])
+            to_range = self.pair(src_unit=2 * b, dst_unit=b, cap=n, n=n // 2,
+                                 pieces=[[b, 0, b, 1, b, b]])
+            to_range = replace(to_range, dst_idx=np.arange(40, 40 + n // 2, dtype=np.int64))
+            from_range = self.pair(src_unit=b, dst_unit=3 * b, cap=n, n=n // 3,
+                                   pieces=[[0, b, 512, 8, 512, 512]])
+            from_range = replace(from_range, src_idx=np.arange(7, 7 + n // 3, dtype=np.int64))
+            replicated = self.pair(src_unit=b, dst_unit=b, cap=n, n=n,
+                                   pieces=[[0, 0, b, 1, b, b]])  # one source, many copies
+            replicated = replace(replicated, src_idx=np.where(np.arange(n) % 2 == 0, 5, 9)
+                                 .astype(np.int64))
+            return [full, to_range, from_range, replicated]
         if kind == "mixed":
             out = []
             for k in ("pages_4k", "head_slice_gather", "mamba_groups", "wide_rows", "tiny_many"):
@@ -138,6 +161,20 @@ class PlanBuilder:
                               pieces=[[0, 0, 4096, 1, 4096, 4096]]),
                     self.pair(src_unit=64, dst_unit=64, cap=4, n=2, pieces=[[0, 0, 0, 1, 0, 0]])]
         raise ValueError(f"unknown plan kind {kind!r}; known: {KINDS}")
+
+    def tiny_handoff(self, layers: int = 8, page: int = 4096) -> list[TensorPlan]:
+        """A tiny handoff's shape: one KV page per layer (K and V), one Mamba slot
+        (conv state in three groups, SSM state) and one aux row: ~20 small segments."""
+        out = [self.pair(src_unit=page, dst_unit=page, cap=4, n=1,
+                         pieces=[[0, 0, page, 1, page, page]]) for _ in range(2 * layers)]
+        out.append(self.pair(src_unit=3000, dst_unit=3000, cap=3, n=1, component="mamba",
+                             pieces=[[0, 0, 1000, 1, 0, 0], [1000, 1000, 1000, 1, 0, 0],
+                                     [2000, 2000, 1000, 1, 0, 0]]))
+        out.append(self.pair(src_unit=32768, dst_unit=32768, cap=3, n=1, component="mamba",
+                             pieces=[[0, 0, 32768, 1, 32768, 32768]]))
+        out.append(self.pair(src_unit=64, dst_unit=64, cap=4, n=1, component="aux",
+                             pieces=[[0, 0, 64, 1, 64, 64]]))
+        return out
 
     def plan(self, kind: str) -> Plan:
         return Plan(entries=tuple(self.entries(kind)))

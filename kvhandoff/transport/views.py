@@ -61,6 +61,66 @@ def _joint_runs(s_starts: I64, d_starts: I64, size: int) -> tuple[I64, I64, I64]
     return s_starts[first], d_starts[first], sizes.astype(np.int64)
 
 
+def is_range(idx: I64) -> bool:
+    """Whether ``idx`` is ``a, a+1, ..., a+n-1`` (n >= 2)."""
+    n = len(idx)
+    return n >= 2 and int(idx[-1]) - int(idx[0]) == n - 1 and bool((np.diff(idx) == 1).all())
+
+
+DENSE_MIN = 64
+"""Pairs with fewer units are not worth reordering (see :func:`by_source`)."""
+
+
+def by_source(e: TensorPlan) -> TensorPlan:
+    """``e`` with its units in source order, when its source indices are a dense range
+    without repeats and its destination indices do not repeat (copy order is then
+    irrelevant); else ``e`` itself. The source side of every contiguous slice of
+    units is then one contiguous block: :func:`copy_entry` scatters straight from it
+    (one copy instead of a gather and a scatter), also after ``split_work`` cut it."""
+    s, d = e.src_idx, e.dst_idx
+    n = len(s)
+    if n < DENSE_MIN:
+        return e
+    lo, hi = int(s.min()), int(s.max())
+    dlo, dhi = int(d.min()), int(d.max())
+    if hi - lo + 1 != n or dhi - dlo >= 16 * n:
+        return e
+    order = np.full(n, -1, np.int64)
+    order[s - lo] = np.arange(n)
+    if (order < 0).any():
+        return e  # a repeated source unit
+    seen = np.zeros(dhi - dlo + 1, np.bool_)
+    seen[d - dlo] = True
+    if int(np.count_nonzero(seen)) != n:
+        return e  # a repeated destination unit: keep the plan's order
+    return replace(e, src_idx=np.arange(lo, hi + 1, dtype=np.int64), dst_idx=d[order])
+
+
+def _from_block(e: TensorPlan, s_buf: U8, d_buf: U8, piece: list[int]) -> bool:
+    """One copy when the source units are a contiguous range (e.g. after
+    :func:`by_source`): one fancy-indexed scatter straight from the source's strided
+    view, whatever the piece's shape on either side."""
+    if not is_range(e.src_idx):
+        return False
+    so, do, ln, cnt, ss, ds = piece
+    a = int(e.src_idx[0])
+    s_view = as_rows(piece_view(s_buf, so, e.src_unit, cnt, ss, ln)[a:a + len(e.src_idx)])
+    as_rows(piece_view(d_buf, do, e.dst_unit, cnt, ds, ln))[e.dst_idx] = s_view
+    return True
+
+
+def _direct(e: TensorPlan, s_buf: U8, d_buf: U8, so: int, do: int, b: int) -> bool:
+    """One copy for whole contiguous units when the destination units are a contiguous
+    block: gather into it with one call."""
+    if is_range(e.dst_idx):
+        a = int(e.dst_idx[0])
+        s_rows = as_rows(piece_view(s_buf, so, e.src_unit, 1, b, b)[:, 0])
+        d_rows = as_rows(piece_view(d_buf, do, e.dst_unit, 1, b, b)[a:a + len(e.dst_idx), 0])
+        take_into(s_rows, e.src_idx, d_rows)
+        return True
+    return False
+
+
 def copy_entry(e: TensorPlan, src: RegionTable, dst: RegionTable) -> int:
     """Copy one tensor pair between two validated tables; returns bytes copied.
 
@@ -79,13 +139,17 @@ def copy_entry(e: TensorPlan, src: RegionTable, dst: RegionTable) -> int:
                 for a, c, n in zip(s0.tolist(), d0.tolist(), sizes.tolist(), strict=True):
                     d_buf[c:c + n] = s_buf[a:a + n]
                 continue
+            if _direct(e, s_buf, d_buf, so, do, b):
+                continue
+        if _from_block(e, s_buf, d_buf, [so, do, ln, cnt, ss, ds]):
+            continue
         s_view = as_rows(piece_view(s_buf, so, e.src_unit, cnt, ss, ln))
         d_view = as_rows(piece_view(d_buf, do, e.dst_unit, cnt, ds, ln))
         if b > TMP_BYTES:  # big strided units: one direct strided copy each
             for si, di in zip(e.src_idx.tolist(), e.dst_idx.tolist(), strict=True):
                 d_view[di] = s_view[si]
             continue
-        k = TMP_BYTES // b
+        k = max(1, min(TMP_BYTES // b, len(e.src_idx)))  # no bigger than needed
         tmp = np.empty(k * b, np.uint8)
         for a in range(0, len(e.src_idx), k):
             m = min(k, len(e.src_idx) - a)

@@ -31,7 +31,8 @@ def _shift_last(p: Plan, by: int) -> Plan:
     return replace(p, entries=(*p.entries[:-1], replace(last, dst_ptr=last.dst_ptr + by)))
 
 
-@pytest.mark.parametrize("kind", ["pages_4k", "huge", "mixed"])
+@pytest.mark.parametrize("kind", ["pages_4k", "huge", "mixed", "tiny_handoff",
+                                  "tiny_head_sliced"])
 def test_out_of_bounds_destination_refused_nothing_written(pair: Pair, kind: str) -> None:
     """The last entry reaches one unit past its tensor (and its region): the whole
     submit is refused and no destination byte changes, even for multi-frame writes."""
@@ -63,13 +64,22 @@ def test_unregistered_destination_refused(pair: Pair) -> None:
     assert isinstance(h.error, RemoteOutOfBounds)
 
 
-def test_unregistered_source_raises_at_submit(pair: Pair) -> None:
+@pytest.mark.parametrize("kind", ["pages_4k", "tiny_handoff"])
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_unregistered_source_raises_at_submit(pair: Pair, kind: str, where: str) -> None:
     b = pair.builder(5)
-    p = b.plan("pages_4k")
-    e = p.entries[0]
+    p = b.plan(kind)
+    k = 0 if where == "first" else len(p.entries) - 1
+    e = p.entries[k]
+    entries = list(p.entries)
+    cap = len(b.srcs[k]) // e.src_unit  # one unit past the end of its region
+    entries[k] = replace(e, src_idx=np.concatenate((e.src_idx[:-1], [cap])).astype(np.int64))
+    peer = pair.connect()
+    with pytest.raises(OutOfBounds):
+        pair.sender.submit(peer, replace(p, entries=tuple(entries)))
     bad = replace(p, entries=(replace(e, src_ptr=e.src_ptr + (1 << 40)),))
     with pytest.raises(OutOfBounds):
-        pair.sender.submit(pair.connect(), bad)
+        pair.sender.submit(peer, bad)
 
 
 def _cross_process(name: str) -> None:
