@@ -257,6 +257,7 @@ class Layout:
     regions: tuple[Region, ...] = ()
     _hash: int = field(init=False, repr=False, compare=False, default=0)
     _signature: str = field(init=False, repr=False, compare=False, default="")
+    _model_signature: str = field(init=False, repr=False, compare=False, default="")
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -285,6 +286,7 @@ class Layout:
             for t in c.tensors:
                 self._check_tensor(c, t)
         object.__setattr__(self, "_signature", _signature(self))
+        object.__setattr__(self, "_model_signature", _model_signature(self))
         object.__setattr__(
             self,
             "_hash",
@@ -329,6 +331,20 @@ class Layout:
         size, ring sizes, addresses, capacities)."""
         return self._signature
 
+    @property
+    def model_signature(self) -> str:
+        """Stable hash of the model's state as every rank of one deployment holds it,
+        whatever layers its PP stage covers: component names and state types (a stage
+        without attention layers still has the KV component, with no tensors).
+
+        :attr:`signature` also covers the tensor kinds a rank holds, which differ between
+        PP stages (no K/V tensors on a stage of linear-attention layers only; the draft
+        ring on the last stage only), so stages of one model have different signatures.
+        The bootstrap server keys a deployment by this one; the handshake checks
+        :attr:`signature` and every tensor per rank pair, and that the PP stages cover
+        every layer."""
+        return self._model_signature
+
     def component(self, name: str) -> Component:
         for c in self.components:
             if c.name == name:
@@ -348,6 +364,11 @@ class Layout:
             },
             "signature": self.signature,
         }
+
+
+def _model_signature(layout: Layout) -> str:
+    parts = sorted([c.name, c.type.value] for c in layout.components)
+    return hashlib.sha256(json.dumps(["model", parts]).encode()).hexdigest()[:16]
 
 
 def _signature(layout: Layout) -> str:

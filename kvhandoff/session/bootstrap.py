@@ -8,8 +8,9 @@ Rules the :class:`Registry` enforces (the reference server enforced none of them
 write won, a conflicting rank silently overwrote another, and a mismatched model was found
 only mid-transfer):
 
-* An instance's ranks agree on its sizes, layout signature, transport and protocol
-  version (TP and PP ranks of one model share one signature by design). The first rank
+* An instance's ranks agree on its sizes, model signature (``Layout.model_signature``),
+  transport and protocol version (TP ranks and PP stages of one model share it by
+  design, whatever layers a stage holds). The first rank
   sets them; a rank that disagrees is refused with 409, naming each field and both values.
 * A (dp, tp, pp) slot holds one record. Repeating it exactly is a no-op (200); a different
   record there is refused with 409 until the old one deregisters.
@@ -223,7 +224,7 @@ class Registry:
                     and (pp_ranks is None or r.pp_rank in pp_ranks)]
             return InstanceInfo(instance=instance, ready=True, dp_size=f.dp_size,
                                 tp_size=f.tp_size, pp_size=f.pp_size,
-                                layout_signature=f.layout_signature, transport=f.transport,
+                                model_signature=f.model_signature, transport=f.transport,
                                 protocol_version=f.protocol_version, ranks=keep)
 
     def _not_ready(self, inst: _Instance) -> NotReady:

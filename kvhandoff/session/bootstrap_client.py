@@ -82,15 +82,16 @@ Metadata = Annotated[
 ]
 
 AXES = ("dp", "tp", "pp")
-# Fields every rank of one instance must agree on: one deployment is one model (one layout
-# signature: TP and PP ranks of a model share it by design), one topology, one transport.
-INSTANCE_FIELDS = ("dp_size", "tp_size", "pp_size", "layout_signature", "transport",
+# Fields every rank of one instance must agree on: one deployment is one model (one model
+# signature, Layout.model_signature: TP ranks and PP stages of a model share it whatever
+# layers they hold), one topology, one transport.
+INSTANCE_FIELDS = ("dp_size", "tp_size", "pp_size", "model_signature", "transport",
                    "protocol_version")
 
 
 class RankRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """What one prefill rank registers: who it is, where its control socket listens, and
-    what a decode rank must match (layout signature, transport kind)."""
+    what a decode rank must match (model signature, transport kind)."""
 
     instance: InstanceName
     dp_size: Size
@@ -101,7 +102,7 @@ class RankRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     pp_rank: Rank
     control_endpoint: Endpoint  # e.g. "tcp://10.0.0.3:17000", the rank's control socket
     transport: TransportKind  # e.g. "tcp", "mooncake", "nixl"
-    layout_signature: Signature  # Layout.signature, lower-case hex
+    model_signature: Signature  # Layout.model_signature, lower-case hex
     protocol_version: int = PROTOCOL_VERSION
     metadata: Metadata = msgspec.field(default_factory=dict)
 
@@ -163,7 +164,7 @@ class InstanceInfo(msgspec.Struct, frozen=True, kw_only=True):
     dp_size: int
     tp_size: int
     pp_size: int
-    layout_signature: str
+    model_signature: str
     transport: str
     protocol_version: int
     ranks: list[RankRecord]  # sorted by (dp, tp, pp); only the ranks the filter selected

@@ -1,5 +1,8 @@
 """Session errors: why a request failed, as one branch of kvhandoff's error tree.
 
+The classes live in :mod:`kvhandoff.errors` (the one error tree); this module
+re-exports the session's branch under its historical path (the same objects)::
+
     HandoffError                       (kvhandoff.errors)
     └── SessionError                   a request (or an agent) could not do its part
         ├── HandshakeError             a (decode rank, prefill rank) pair cannot work
@@ -13,6 +16,9 @@
         ├── RequestRejected            the peer refused a request message (ErrorReply)
         └── AgentClosed                the agent shut down under the request
 
+``PeerLost`` and ``TransferFailed`` are also :class:`TransportError`\\ s: a transport's
+lost peer or failed write is the same class the request then fails with.
+
 A request's failure is one of these; ``Sender.error`` / ``Receiver.error`` hold it and
 ``.reason`` is its message. Every message names the request, the peer rank or endpoint
 and the values involved.
@@ -20,56 +26,30 @@ and the values involved.
 
 from __future__ import annotations
 
-from kvhandoff.errors import HandoffError
+from kvhandoff.errors import (
+    AgentClosed,
+    AuxMismatch,
+    BootstrapFailed,
+    ChecksumMismatch,
+    HandshakeError,
+    PeerLost,
+    RequestAborted,
+    RequestRejected,
+    RequestTimeout,
+    SessionError,
+    TransferFailed,
+)
 
-
-class SessionError(HandoffError):
-    """Base class of every session failure."""
-
-
-class HandshakeError(SessionError):
-    """The pair cannot work; ``problems`` lists every reason, one actionable line each."""
-
-    def __init__(self, problems: list[str] | tuple[str, ...] | str, *, peer: str = "") -> None:
-        self.problems = [problems] if isinstance(problems, str) else list(problems)
-        self.peer = peer
-        where = f" with {peer}" if peer else ""
-        head = self.problems[0] if len(self.problems) == 1 else f"{len(self.problems)} problems"
-        body = "" if len(self.problems) == 1 else "\n  - " + "\n  - ".join(self.problems)
-        super().__init__(f"handshake{where} rejected: {head}{body}")
-
-
-class BootstrapFailed(SessionError):
-    """The bootstrap server could not be reached, or the prefill ranks never registered."""
-
-
-class PeerLost(SessionError):
-    """A peer stopped answering (heartbeats) or its transport connection died."""
-
-
-class RequestTimeout(SessionError):
-    """A request stayed in one state longer than its configured timeout."""
-
-
-class RequestAborted(SessionError):
-    """The request was aborted by this side's engine or by the peer."""
-
-
-class TransferFailed(SessionError):
-    """Bytes did not arrive: a transport failure, or the peer reported one."""
-
-
-class ChecksumMismatch(TransferFailed):
-    """The digest of a component's destination bytes differs from the sender's."""
-
-
-class AuxMismatch(TransferFailed):
-    """The aux row holds another request's guard, or its integrity check failed."""
-
-
-class RequestRejected(SessionError):
-    """The peer answered a request message with an ErrorReply."""
-
-
-class AgentClosed(SessionError):
-    """The agent was closed while the request was live."""
+__all__ = [
+    "AgentClosed",
+    "AuxMismatch",
+    "BootstrapFailed",
+    "ChecksumMismatch",
+    "HandshakeError",
+    "PeerLost",
+    "RequestAborted",
+    "RequestRejected",
+    "RequestTimeout",
+    "SessionError",
+    "TransferFailed",
+]

@@ -51,7 +51,7 @@ def rec(dp: int = 0, tp: int = 0, pp: int = 0, *, instance: str = "llama", dp_si
     return RankRecord(instance=instance, dp_size=dp_size, dp_rank=dp, tp_size=tp_size,
                       tp_rank=tp, pp_size=pp_size, pp_rank=pp,
                       control_endpoint=f"tcp://10.0.0.1:{port}", transport=transport,
-                      layout_signature=sig, **kw)
+                      model_signature=sig, **kw)
 
 
 def all_ranks(**kw: Any) -> list[RankRecord]:
@@ -106,7 +106,7 @@ def test_lookup_waits_for_every_rank_then_serves_filtered(srv: BootstrapServer) 
     assert register(srv.url, ranks[-1], **FAST).ready
     full = lookup(srv.url, "llama", wait_timeout=1)
     assert full.ranks == sorted(ranks, key=lambda r: r.slot)
-    assert (full.dp_size, full.tp_size, full.pp_size, full.layout_signature, full.transport) \
+    assert (full.dp_size, full.tp_size, full.pp_size, full.model_signature, full.transport) \
         == (2, 2, 2, SIG, "tcp")
 
     some = lookup(srv.url, "llama", filters=RankFilter(dp_rank=1, tp_ranks=[0], pp_ranks=[0, 1]))
@@ -163,7 +163,7 @@ def test_identical_reregistration_is_idempotent(srv: BootstrapServer) -> None:
     ({"metadata": {"a": "b"}}, "metadata", {}, {"a": "b"}),
     ({"tp_size": 4}, "tp_size", 2, 4),
     ({"pp_size": 1}, "pp_size", 2, 1),
-    ({"sig": "fedcba"}, "layout_signature", SIG, "fedcba"),
+    ({"sig": "fedcba"}, "model_signature", SIG, "fedcba"),
     ({"transport": "mooncake"}, "transport", "tcp", "mooncake"),
 ])
 def test_conflicting_registration_is_refused_naming_field_and_values(
@@ -186,7 +186,7 @@ def test_another_rank_must_match_the_instance(srv: BootstrapServer) -> None:
     with pytest.raises(RegistrationConflict) as ei:
         register(srv.url, rec(1, 1, 0, sig="abcd", tp_size=4))
     got = {c.field: (c.existing, c.offered) for c in ei.value.conflicts}
-    assert got == {"tp_size": (2, 4), "layout_signature": (SIG, "abcd")}
+    assert got == {"tp_size": (2, 4), "model_signature": (SIG, "abcd")}
     assert "registered 2, offered 4" in str(ei.value)
 
 
@@ -227,7 +227,7 @@ def good_body(**over: Any) -> bytes:
     (good_body(tp_rank=True), "Expected `int`, got `bool`"),
     (good_body(tp_rank=2), "tp_rank 2 is not below tp_size 2"),
     (good_body(dp_size=0), "dp_size"),
-    (good_body(layout_signature="XYZ"), "layout_signature"),
+    (good_body(model_signature="XYZ"), "model_signature"),
     (good_body(control_endpoint="10.0.0.1:1"), "control_endpoint"),
     (good_body(instance="a/b"), "instance"),
     (good_body(metadata={"k": 1}), "metadata"),
@@ -464,3 +464,31 @@ def test_racing_claims_on_one_slot_have_one_winner(srv: BootstrapServer) -> None
     same = _together(16, lambda i: register(srv.url, rec(0, 1, 0)))
     assert all(isinstance(o, RegisterReply) for o in same), same
     assert sorted(o.created for o in same if isinstance(o, RegisterReply)) == [False] * 15 + [True]
+
+
+# --- real layouts: the model signature a prefill agent registers ---------------------------
+
+
+def _stage(model: str, pp: int, page: int) -> Any:
+    from kvhandoff import shapes
+    return shapes.layout_for(shapes.tiny(shapes.get(model)), tp_rank=0, tp_size=1,
+                             page_size=page, num_pages=4, num_slots=2, pp_rank=pp, pp_size=2)
+
+
+def test_pp_stages_of_one_model_register_and_another_model_is_refused(
+        srv: BootstrapServer) -> None:
+    from kvhandoff.session import Agent, SessionConfig
+    from kvhandoff.session.errors import BootstrapFailed
+    cfg = SessionConfig.from_env({}, instance="pp", transport="memory", register_retries=0)
+    first, second = _stage("qwen3_next", 0, 16), _stage("qwen3_next", 1, 16)
+    assert first.signature != second.signature  # the stages hold different tensors
+    with Agent.prefill(first, bootstrap_url=srv.url, config=cfg), \
+            Agent.prefill(second, bootstrap_url=srv.url, config=cfg):
+        info = lookup(srv.url, "pp", timeout=2.0)
+        assert info.ready and info.model_signature == first.model_signature
+        assert [r.pp_rank for r in info.ranks] == [0, 1]
+    other = _stage("deepseek_v4", 1, 128)
+    with Agent.prefill(first, bootstrap_url=srv.url, config=cfg), \
+            pytest.raises(BootstrapFailed, match="model_signature") as ei:
+        Agent.prefill(other, bootstrap_url=srv.url, config=cfg)
+    assert first.model_signature in str(ei.value) and other.model_signature in str(ei.value)

@@ -134,6 +134,32 @@ def test_signature_ignores_what_may_differ_and_sees_what_may_not() -> None:
     assert hash(a) != hash(b) and a != b
 
 
+def _stages(model: str, page: int) -> list[Layout]:
+    from kvhandoff import shapes
+    m = shapes.tiny(shapes.get(model))
+    return [shapes.layout_for(m, tp_rank=0, tp_size=1, page_size=page, num_pages=4,
+                              num_slots=2, pp_rank=s, pp_size=2) for s in range(2)]
+
+
+@pytest.mark.parametrize(("model", "page"), [("qwen3_next", 16), ("deepseek_v4", 128)])
+def test_model_signature_is_shared_by_pp_stages_that_hold_different_tensors(
+        model: str, page: int) -> None:
+    a, b = _stages(model, page)
+    assert a.signature != b.signature  # the stages hold different tensor kinds
+    assert a.model_signature == b.model_signature
+
+
+def test_model_signature_tells_models_apart() -> None:
+    qwen, = {lay.model_signature for lay in _stages("qwen3_next", 16)}
+    v4, = {lay.model_signature for lay in _stages("deepseek_v4", 128)}
+    assert qwen != v4
+    assert kv_layout().model_signature != qwen
+    renamed = Layout(page_size=16, tp_size=2, components=(
+        Component(type=StateType.KV, name="kv2", tensors=(kv_tensor(),)),))
+    assert renamed.model_signature != kv_layout().model_signature
+    assert kv_layout(tp_rank=1).model_signature == kv_layout().model_signature
+
+
 def test_no_layer_tensors_and_elided_tensors_are_valid() -> None:
     aux = TensorSpec(name="aux", layer_id=NO_LAYER, ptr=0x1000, nbytes=256 * 4, item_bytes=256)
     elided = TensorSpec(name="index_k", layer_id=3, ptr=0, nbytes=0, item_bytes=0)
