@@ -41,7 +41,9 @@ from typing import Annotated, Final
 import msgspec
 import numpy as np
 
-from kvhandoff.errors import HandoffError, LayoutError
+from kvhandoff.errors import LayoutError
+from kvhandoff.errors import LocalProtocolError as LocalProtocolError
+from kvhandoff.errors import ProtocolError as ProtocolError
 from kvhandoff.layout import (
     Component,
     Layout,
@@ -54,22 +56,17 @@ from kvhandoff.layout import (
 from kvhandoff.plan.request import IndexArray, Indices
 from kvhandoff.state_types import StateType
 
-PROTOCOL_VERSION: Final = 1
-"""Bumped on any change to a message's fields or meaning; compared at handshake."""
+PROTOCOL_VERSION: Final = 2
+"""Bumped on any change to a message's fields or meaning; compared at handshake.
+2: ``ErrorReply.code``."""
 
 MAX_MESSAGE_BYTES: Final = 64 << 20
 """Largest control message accepted (or sent). Index lists of a 1M-token request at
 page size 1 take 8 MiB per component; anything near this limit is a bug or an attack."""
 
 
-class ProtocolError(HandoffError, ValueError):
-    """The peer sent something we cannot accept: malformed, unknown, oversized, or a
-    field out of range. The remote side is at fault; answer with :class:`ErrorReply`."""
-
-
-class LocalProtocolError(HandoffError, RuntimeError):
-    """This side tried something the protocol forbids (an illegal state transition, an
-    unencodable or oversized message). A bug in the caller, not the peer."""
+# ProtocolError (the peer's fault; answer with ErrorReply) and LocalProtocolError (ours)
+# live in kvhandoff.errors and are re-exported here.
 
 
 # ---------------------------------------------------------------------------------------
@@ -454,11 +451,18 @@ class HeartbeatAck(_Msg, frozen=True):
     sender: str
 
 
+class ErrorCode(enum.StrEnum):
+    """What an :class:`ErrorReply` lets the receiver act on (beyond reading ``reason``)."""
+
+    UNKNOWN_PEER = "unknown_peer"  # no accepted Hello from the sender: handshake again
+
+
 class ErrorReply(_Msg, frozen=True):
     """The answer to a message that did not decode or made no sense in context."""
 
     reason: str
     request_id: RequestId | None = None
+    code: ErrorCode | None = None
 
 
 Message = (

@@ -16,9 +16,11 @@ retries with backoff; :class:`BootstrapFailed` if it cannot). A decode agent fin
 ranks lazily, per bootstrap address, when the first Receiver needs them.
 
 Threads (all named ``kvh-*``): the control I/O thread (messages, timers, heartbeats;
-:mod:`~kvhandoff.session.control`), the completion thread (transfer handles;
-:mod:`~kvhandoff.session.completion`) and ``config.workers`` worker threads for blocking
-jobs (bootstrap lookups, handshakes, checksum checks), plus the transport's own.
+:mod:`~kvhandoff.session.control`), the completion thread (deadlines and polling of
+transfer handles, whose completions mostly arrive as done-callbacks on the transport's
+own threads; :mod:`~kvhandoff.session.completion`) and ``config.workers`` worker
+threads for blocking jobs (bootstrap lookups, handshakes, checksum checks), plus the
+transport's own.
 
 Thread-safety: every public method may be called from any thread. Internally the agent
 lock guards only its tables and is never held while calling into a request (each
@@ -29,9 +31,7 @@ from __future__ import annotations
 
 import collections
 import enum
-import hashlib
 import itertools
-import json
 import logging
 import threading
 import time
@@ -45,6 +45,7 @@ from kvhandoff.protocol import (
     PROTOCOL_VERSION,
     Abort,
     AbortAck,
+    ErrorCode,
     ErrorReply,
     Heartbeat,
     HeartbeatAck,
@@ -192,7 +193,7 @@ class Agent:
                          tp_size=lay.tp_size, tp_rank=lay.tp_rank, pp_size=lay.pp_size,
                          pp_rank=lay.pp_rank, control_endpoint=self._control.endpoint,
                          transport=self._transport.name,
-                         layout_signature=deployment_signature(lay))
+                         model_signature=lay.model_signature)
         url, what = self._bootstrap_url, f"prefill {self.rank_id}"
         for attempt in range(2):  # a second try only after removing a dead rank's record
             try:
@@ -423,7 +424,7 @@ class Agent:
                 f"it handshook as {peer.rank}, not {msg.rank}"
             self._control.reply(origin, ErrorReply(
                 reason=f"unknown decode peer {origin} ({why}); handshake again",
-                request_id=msg.request_id))
+                request_id=msg.request_id, code=ErrorCode.UNKNOWN_PEER))
             return
         now = time.monotonic()
         with self._lock:
@@ -475,10 +476,15 @@ class Agent:
         if origin.endpoint is None or msg.request_id is None:
             return
         if self._groups is not None:
+            unknown = msg.code is ErrorCode.UNKNOWN_PEER
+            # a prefill rank that forgot our handshake (it restarted): forget the groups
+            # that handshook with it before; one connecting now is already a fresh start
+            self._groups.drop_endpoint(origin.endpoint, ready_only=unknown)
             r = self._receiver(msg.request_id)
-            if r is not None:
+            if r is not None and unknown:
+                r._on_unknown_peer(origin.endpoint, msg.reason)
+            elif r is not None:
                 r._on_rejected(origin.endpoint, msg.reason)
-            self._groups.drop_endpoint(origin.endpoint)
 
     def _on_undeliverable(self, endpoint: str, reason: str) -> None:
         self._peer_lost(endpoint, reason)
@@ -531,17 +537,6 @@ def _stale_endpoint(e: RegistrationConflict) -> str | None:
         return None
     old = e.conflicts[0].existing
     return old if isinstance(old, str) else None
-
-
-def deployment_signature(layout: Layout) -> str:
-    """What every rank of one prefill deployment registers as its layout signature: a
-    hash of the component names and types only. ``Layout.signature`` also covers the
-    tensor kinds a rank holds, which differ between PP stages (a stage without attention
-    layers has no K/V tensors; only the last DeepSeek-V4 stage has the draft ring), so
-    stages of one model would refuse each other at the bootstrap server. The full
-    compatibility check is the handshake's, per rank pair."""
-    parts = sorted((c.name, c.type.value) for c in layout.components)
-    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
 
 
 def _classify(layout: Layout) -> tuple[str | None, str | None, TensorSpec | None, tuple[str, ...]]:

@@ -18,6 +18,7 @@ whose page counts disagree fails at bootstrap with both numbers, never mid-trans
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -141,8 +142,15 @@ def check_items(layout: Layout, name: str, items: IndexArray, side: str) -> None
     if not len(items):
         return
     lo, hi = int(items.min()), int(items.max())
-    caps = [t.capacity for t in layout.component(name).tensors if not t.elided]
-    if lo < 0 or (caps and hi >= min(caps)):
+    cap = _capacity(layout, name)
+    if lo < 0 or (cap is not None and hi >= cap):
         bad = lo if lo < 0 else hi
         raise ValueError(f"component {name!r}: {side} index {bad} is outside its tensors "
-                         f"({min(caps) if caps else 0} items)")
+                         f"({cap or 0} items)")
+
+
+@functools.lru_cache(maxsize=1024)
+def _capacity(layout: Layout, name: str) -> int | None:
+    """The fewest items any live tensor of component ``name`` holds (None: no tensor)."""
+    caps = [t.capacity for t in layout.component(name).tensors if not t.elided]
+    return min(caps) if caps else None

@@ -9,6 +9,15 @@ Sockets (all in this channel's own ``zmq.Context``, terminated by :meth:`close`)
   endpoint. Replies a peer sends back on its ROUTER (heartbeat acks, error replies)
   arrive on these and are handled like any other message.
 
+Sending is direct: :meth:`send` writes to the peer's DEALER on the caller's thread,
+under the channel's dealer lock (a mutex is the full barrier ZeroMQ asks for when a
+socket is used by several threads, never at once), so a status leaves the process
+from the thread that decided it, without waking the I/O thread. The I/O thread never
+passes a DEALER to ``zmq_poll``: it polls each DEALER's notification descriptor
+(``ZMQ_FD``) and reads the DEALERs under the same lock; a sender that finds input
+pending after its send (it may have consumed that edge) wakes the I/O thread. Only
+the I/O thread closes sockets (retired DEALERs are handed to it).
+
 Bytes in, messages out: every frame goes through :func:`~kvhandoff.protocol.decode_message`.
 Anything that does not decode (junk, an unknown tag, an extra frame, an oversized
 message up to twice the protocol limit) is answered with an ``ErrorReply`` on the ROUTER
@@ -17,9 +26,11 @@ stops the thread. (Frames beyond twice the limit make ZeroMQ drop that connectio
 peer of ours sends them, and reading them would let anyone make us allocate at will.)
 
 Thread-safety: :meth:`send`, :meth:`reply`, :meth:`forget` and :meth:`close` may be called
-from any thread; they queue work for the I/O thread and wake it through a pipe (no
-polling while idle). ``on_message`` and ``on_tick`` run on the I/O thread, one at a time,
-and must not block.
+from any thread. ``send`` writes at once (above); ``reply`` (on the ROUTER) and
+socket closes are queued for the I/O thread, which is woken through a pipe (no polling
+while idle). Messages to one endpoint leave in the order their ``send`` calls took the
+lock. ``on_message``, ``on_tick`` and ``on_undeliverable`` run on the I/O thread, one at
+a time, and must not block.
 """
 
 from __future__ import annotations
@@ -104,34 +115,65 @@ class ControlChannel:
         except BaseException:
             self._teardown()
             raise
-        self._out: collections.deque[tuple[str, Any, bytes]] = collections.deque()
+        self._out: collections.deque[tuple[str, Any, Any]] = collections.deque()
         self._armed = False
         self._stop = False
-        self._dealers: dict[str, zmq.Socket[bytes]] = {}
-        self._used: dict[str, float] = {}  # last send per DEALER
-        self._by_socket: dict[zmq.Socket[bytes], str] = {}
+        # Guarded by _dlock (and every operation on a DEALER socket is made under it):
+        self._dlock = threading.Lock()
+        self._closing = False  # no more sends: the I/O thread is closing the DEALERs
+        self._dealers: dict[str, _Dealer] = {}
+        self._retired: list[_Dealer] = []  # to be closed by the I/O thread
         self._thread = threading.Thread(target=self._run, name=f"kvh-io-{name}", daemon=True)
         self._thread.start()
 
     # --- any thread ----------------------------------------------------------------
 
     def send(self, endpoint: str, msg: Message) -> None:
-        """Queue ``msg`` for the peer at ``endpoint``. Raises LocalProtocolError when it
-        cannot be encoded (a local bug); delivery problems go to ``on_undeliverable``."""
-        self._push(("dealer", endpoint, encode_message(msg)))
+        """Send ``msg`` to the peer at ``endpoint`` now, from this thread. Raises
+        LocalProtocolError when it cannot be encoded (a local bug); delivery problems go
+        to ``on_undeliverable`` (on the I/O thread)."""
+        buf = encode_message(msg)
+        problem: str | None = None
+        wake = False
+        with self._dlock:
+            if self._closing:
+                return
+            try:
+                d = self._dealers.get(endpoint)
+                if d is None:
+                    d = self._open_dealer(endpoint)
+                    wake = True  # the I/O thread watches the new DEALER
+                d.sock.send(buf, zmq.NOBLOCK)
+                d.used = time.monotonic()
+                self.stats["sent"] += 1
+                # our send may have consumed the descriptor's edge for a pending reply
+                wake |= _readable(d.sock)
+            except zmq.Again:
+                problem = (f"control queue to {endpoint} is full ({_HWM} messages): the peer "
+                           f"is not reading")
+            except zmq.ZMQError as e:
+                problem = f"cannot send to control endpoint {endpoint!r}: {e}"
+        if problem is not None:
+            self._push(("undeliverable", endpoint, problem))
+        elif wake:
+            self._push(("sync", "", b""))
 
     def reply(self, origin: Origin, msg: Message) -> None:
         """Answer ``origin`` on the connection it spoke on (works for unnamed clients)."""
-        buf = encode_message(msg)
         if origin.identity is not None:
-            self._push(("router", origin.identity, buf))
+            self._push(("router", origin.identity, encode_message(msg)))
         elif origin.endpoint is not None:
-            self._push(("dealer", origin.endpoint, buf))
+            self.send(origin.endpoint, msg)
 
     def forget(self, endpoint: str) -> None:
-        """Close our DEALER to ``endpoint`` (a lost peer): queued messages to it are
+        """Close our DEALER to ``endpoint`` (a lost peer): messages still queued in it are
         dropped; a later :meth:`send` dials afresh."""
-        self._push(("forget", endpoint, b""))
+        with self._dlock:
+            d = self._dealers.pop(endpoint, None)
+            if d is None:
+                return
+            self._retired.append(d)
+        self._push(("sync", "", b""))
 
     @property
     def alive(self) -> bool:
@@ -151,7 +193,7 @@ class ControlChannel:
             return
         self._teardown()
 
-    def _push(self, item: tuple[str, Any, bytes]) -> None:
+    def _push(self, item: tuple[str, Any, Any]) -> None:
         self._out.append(item)
         if not self._armed:
             self._armed = True
@@ -162,79 +204,8 @@ class ControlChannel:
         with contextlib.suppress(BlockingIOError, OSError):
             os.write(self._wake_w, b"\0")
 
-    # --- the I/O thread ------------------------------------------------------------
-
-    def _run(self) -> None:
-        assert self._router is not None
-        poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
-        next_tick = time.monotonic() + self._tick
-        try:
-            while not self._stop:
-                wait_ms = max(0, int((next_tick - time.monotonic()) * 1000) + 1)
-                for sock, _ in poller.poll(wait_ms):
-                    if sock is self._router:
-                        self._read_router()
-                    elif sock == self._wake_r:
-                        self._drain_wake()
-                    else:
-                        self._read_dealer(sock)
-                self._flush(poller)
-                now = time.monotonic()
-                if now >= next_tick:
-                    next_tick = now + self._tick
-                    self._guard("tick", functools.partial(self._on_tick, now))
-                    self._prune(poller, now)
-            self._flush(poller)
-        except zmq.ZMQError as e:  # the context was terminated under us: nothing to save
-            log.error("control I/O thread stopped by ZeroMQ: %s", e)
-        finally:
-            for sock in self._dealers.values():
-                sock.close(linger=self._flush_ms)
-            self._dealers.clear()
-            self._by_socket.clear()
-
-    def _drain_wake(self) -> None:
-        self._armed = False
-        with contextlib.suppress(BlockingIOError, OSError):
-            while os.read(self._wake_r, 4096):
-                pass
-
-    def _flush(self, poller: zmq.Poller) -> None:
-        self._armed = False
-        for _ in range(len(self._out)):  # only what is queued now: bounded
-            kind, target, buf = self._out.popleft()
-            if kind == "forget":
-                self._close_dealer(poller, target)
-            elif kind == "router":
-                assert self._router is not None
-                try:
-                    self._router.send_multipart([target, buf], zmq.NOBLOCK)
-                    self.stats["sent"] += 1
-                except zmq.ZMQError as e:  # unknown or gone identity: nothing to tell
-                    self.stats["reply_dropped"] += 1
-                    log.debug("reply to %r dropped: %s", target, e)
-            else:
-                self._send_dealer(poller, target, buf)
-
-    def _send_dealer(self, poller: zmq.Poller, endpoint: str, buf: bytes) -> None:
-        try:
-            sock = self._dealers.get(endpoint) or self._open_dealer(poller, endpoint)
-            sock.send(buf, zmq.NOBLOCK)
-            self._used[endpoint] = time.monotonic()
-            self.stats["sent"] += 1
-        except zmq.Again:
-            self._undeliverable(endpoint, f"control queue to {endpoint} is full ({_HWM} "
-                                          f"messages): the peer is not reading")
-        except zmq.ZMQError as e:
-            self._undeliverable(endpoint, f"cannot send to control endpoint {endpoint!r}: {e}")
-
-    def _undeliverable(self, endpoint: str, reason: str) -> None:
-        self.stats["undeliverable"] += 1
-        self._guard("undeliverable", lambda: self._on_undeliverable(endpoint, reason))
-
-    def _open_dealer(self, poller: zmq.Poller, endpoint: str) -> zmq.Socket[bytes]:
+    def _open_dealer(self, endpoint: str) -> _Dealer:
+        """A DEALER to ``endpoint`` (caller holds the dealer lock)."""
         sock = self._ctx.socket(zmq.DEALER)
         try:
             sock.setsockopt(zmq.ROUTING_ID, self.endpoint.encode())
@@ -246,26 +217,97 @@ class ControlChannel:
             sock.setsockopt(zmq.RECONNECT_IVL, 100)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
             sock.connect(endpoint)
+            fd = int(sock.getsockopt(zmq.FD))
         except zmq.ZMQError:
             sock.close(linger=0)
             raise
-        self._dealers[endpoint] = sock
-        self._by_socket[sock] = endpoint
-        poller.register(sock, zmq.POLLIN)
-        return sock
+        d = _Dealer(endpoint, sock, fd, time.monotonic())
+        self._dealers[endpoint] = d
+        return d
 
-    def _prune(self, poller: zmq.Poller, now: float) -> None:
-        """Close DEALERs unused for ``_IDLE_S`` (peers come and go over a long run)."""
-        for ep in [e for e, t in self._used.items() if now - t > _IDLE_S]:
-            self._close_dealer(poller, ep)
+    # --- the I/O thread ------------------------------------------------------------
 
-    def _close_dealer(self, poller: zmq.Poller, endpoint: str) -> None:
-        sock = self._dealers.pop(endpoint, None)
-        self._used.pop(endpoint, None)
-        if sock is not None:
-            self._by_socket.pop(sock, None)
-            poller.unregister(sock)
-            sock.close(linger=0)
+    def _run(self) -> None:
+        assert self._router is not None
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        watched: dict[int, _Dealer] = {}  # DEALER descriptors in the poller
+        next_tick = time.monotonic() + self._tick
+        try:
+            while not self._stop:
+                wait_ms = max(0, int((next_tick - time.monotonic()) * 1000) + 1)
+                for sock, _ in poller.poll(wait_ms):
+                    if sock is self._router:
+                        self._read_router()
+                    elif sock == self._wake_r:
+                        self._drain_wake()
+                self._read_dealers()  # cheap: a few EVENTS checks; covers lost edges
+                self._flush()
+                self._sync(poller, watched)
+                now = time.monotonic()
+                if now >= next_tick:
+                    next_tick = now + self._tick
+                    self._guard("tick", functools.partial(self._on_tick, now))
+                    self._prune(now)
+            self._flush()
+        except zmq.ZMQError as e:  # the context was terminated under us: nothing to save
+            log.error("control I/O thread stopped by ZeroMQ: %s", e)
+        finally:
+            with self._dlock:
+                self._closing = True
+                for d in self._dealers.values():
+                    d.sock.close(linger=self._flush_ms)  # what was sent still goes out
+                for d in self._retired:
+                    d.sock.close(linger=0)
+                self._dealers.clear()
+                self._retired.clear()
+
+    def _drain_wake(self) -> None:
+        self._armed = False
+        with contextlib.suppress(BlockingIOError, OSError):
+            while os.read(self._wake_r, 4096):
+                pass
+
+    def _flush(self) -> None:
+        self._armed = False
+        for _ in range(len(self._out)):  # only what is queued now: bounded
+            kind, target, payload = self._out.popleft()
+            if kind == "router":
+                assert self._router is not None
+                try:
+                    self._router.send_multipart([target, payload], zmq.NOBLOCK)
+                    self.stats["sent"] += 1
+                except zmq.ZMQError as e:  # unknown or gone identity: nothing to tell
+                    self.stats["reply_dropped"] += 1
+                    log.debug("reply to %r dropped: %s", target, e)
+            elif kind == "undeliverable":
+                self.stats["undeliverable"] += 1
+                self._guard("undeliverable",
+                            functools.partial(self._on_undeliverable, target, payload))
+            # "sync": only wakes us; _sync runs after every flush
+
+    def _sync(self, poller: zmq.Poller, watched: dict[int, _Dealer]) -> None:
+        """Close retired DEALERs and watch the descriptors of the current ones."""
+        with self._dlock:
+            retired, self._retired = self._retired, []
+            live = {d.fd: d for d in self._dealers.values()}
+            for fd, d in list(watched.items()):
+                if live.get(fd) is not d:
+                    poller.unregister(fd)
+                    del watched[fd]
+            for d in retired:
+                d.sock.close(linger=0)
+            for fd, d in live.items():
+                if fd not in watched:
+                    poller.register(fd, zmq.POLLIN)
+                    watched[fd] = d
+
+    def _prune(self, now: float) -> None:
+        """Retire DEALERs unused for ``_IDLE_S`` (peers come and go over a long run)."""
+        with self._dlock:
+            for ep in [e for e, d in self._dealers.items() if now - d.used > _IDLE_S]:
+                self._retired.append(self._dealers.pop(ep))
 
     def _read_router(self) -> None:
         assert self._router is not None
@@ -282,15 +324,19 @@ class ControlChannel:
                 continue
             self._dispatch(origin, payload[0])
 
-    def _read_dealer(self, sock: Any) -> None:
-        endpoint = self._by_socket.get(sock)
-        if endpoint is None:
-            return
-        for _ in range(_BATCH):
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+    def _read_dealers(self) -> None:
+        """Read what arrived on the DEALERs (under the lock), then handle it (without)."""
+        got: list[tuple[str, list[bytes]]] = []
+        with self._dlock:
+            for d in self._dealers.values():
+                for _ in range(_BATCH):
+                    if not _readable(d.sock):
+                        break
+                    try:
+                        got.append((d.endpoint, d.sock.recv_multipart(zmq.NOBLOCK)))
+                    except zmq.Again:
+                        break
+        for endpoint, frames in got:
             if len(frames) != 1:
                 self.stats["malformed"] += 1
                 continue
@@ -303,7 +349,7 @@ class ControlChannel:
         except ProtocolError as e:
             self._reject(origin, str(e))
             return
-        self._guard(type(msg).__name__, lambda: self._on_message(origin, msg))
+        self._guard(type(msg).__name__, functools.partial(self._on_message, origin, msg))
 
     def _reject(self, origin: Origin, reason: str) -> None:
         self.stats["malformed"] += 1
@@ -330,3 +376,18 @@ class ControlChannel:
                     os.close(fd)
         self._wake_r = self._wake_w = -1
         self._ctx.term()
+
+
+def _readable(sock: zmq.Socket[bytes]) -> bool:
+    """Whether a message waits on ``sock`` (processes its pending commands)."""
+    return bool(int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+
+
+@dataclass(eq=False, slots=True)
+class _Dealer:
+    """One DEALER and its notification descriptor (used under the dealer lock)."""
+
+    endpoint: str
+    sock: zmq.Socket[bytes]
+    fd: int
+    used: float  # last send

@@ -171,10 +171,13 @@ class PrefillGroups:
             groups = list(self._groups.values())
         return any(g._reply(endpoint, msg) for g in groups)
 
-    def drop_endpoint(self, endpoint: str) -> list[PrefillGroup]:
-        """Forget every group that uses ``endpoint`` (its rank is lost or forgot us)."""
+    def drop_endpoint(self, endpoint: str, *, ready_only: bool = False) -> list[PrefillGroup]:
+        """Forget every group that uses ``endpoint`` (its rank is lost or forgot us);
+        with ``ready_only``, only those that finished their handshake (one still
+        connecting handshakes with the rank as it is now)."""
         with self._lock:
-            gone = [k for k, g in self._groups.items() if endpoint in g.endpoints]
+            gone = [k for k, g in self._groups.items() if endpoint in g.endpoints
+                    and not (ready_only and g.state is GroupState.CONNECTING)]
             return [self._groups.pop(k) for k in gone]
 
     def groups(self) -> list[PrefillGroup]:

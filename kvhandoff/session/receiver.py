@@ -70,12 +70,15 @@ from kvhandoff.session.errors import (
     TransferFailed,
 )
 from kvhandoff.session.groups import GroupState, PrefillGroup
-from kvhandoff.session.status import Event, StateMachine, Status
+from kvhandoff.session.request_side import RequestSide
+from kvhandoff.session.status import Event, Status
 
 if TYPE_CHECKING:
     from kvhandoff.session.agent import Agent
 
 log = logging.getLogger("kvhandoff.session.receiver")
+
+_MAX_REHANDSHAKES = 2  # per request: "unknown decode peer" answered by a new handshake
 
 
 def route_dp(request_id: RequestId, dp_size: int) -> int:
@@ -111,23 +114,14 @@ class _Writer:
     verifying: int = 0  # checksum checks still running
 
 
-class Receiver:
+class Receiver(RequestSide):
     """See the module docstring."""
 
     def __init__(self, agent: Agent, bootstrap_addr: str, request_id: RequestId, *,
                  instance: str | None = None, dp_rank: int | None = None) -> None:
-        if agent.role.value != "decode":
-            raise ValueError(f"a Receiver needs a decode agent, got a {agent.role.value} agent")
-        if isinstance(request_id, bool) or not isinstance(request_id, int | str):
-            raise TypeError(f"request_id must be an int or a str, got {request_id!r}")
-        self.agent = agent
-        self.request_id = request_id
+        super().__init__(agent, request_id, "decode")
         self.url = bootstrap_url(bootstrap_addr)
         self.instance = instance or agent.config.instance
-        self._lock = threading.RLock()
-        self._sm = StateMachine(name=f"decode request {request_id!r}")
-        self._error: SessionError | None = None
-        self._created = time.monotonic()
         self._changed = self._created  # last progress, for the waiting/transfer timeouts
         self._group: PrefillGroup | None = None
         self._dp_rank = dp_rank
@@ -138,17 +132,12 @@ class Receiver:
         self._released = threading.Event()
         self._release_reason = ""
         self._release_deadline: float | None = None
+        self._rehandshakes = 0
+        self._resend: set[str] = set()  # prefill ranks to send the indices again, once handshaken
         agent._attach_receiver(self)
         self._find_group()
 
-    def __repr__(self) -> str:
-        return f"<Receiver {self.request_id!r} {self._sm.state.value}>"
-
     # --- the engine's calls ------------------------------------------------------------
-
-    @property
-    def status(self) -> Status:
-        return self._sm.state
 
     def poll(self) -> Status:
         """The request's status on this rank now; never blocks."""
@@ -156,18 +145,6 @@ class Receiver:
             if self._aux_since is not None and not self._sm.terminal:
                 self._check_aux(time.monotonic())
         return self._sm.state
-
-    def wait(self, timeout: float) -> Status:
-        """Block until SUCCESS or FAILED, or ``timeout`` seconds; returns the status then."""
-        return self._sm.wait((Status.SUCCESS, Status.FAILED), timeout)
-
-    @property
-    def error(self) -> SessionError | None:
-        return self._error
-
-    @property
-    def reason(self) -> str | None:
-        return self._sm.reason
 
     @property
     def released(self) -> bool:
@@ -348,6 +325,53 @@ class Receiver:
                 self._writers[endpoint].acked = True  # it refused: it never wrote
                 self._fail(RequestRejected(f"request {self.request_id!r}: prefill {endpoint} "
                                            f"refused it: {reason}"))
+
+    def _on_unknown_peer(self, endpoint: str, reason: str) -> None:
+        """A prefill rank answered our indices "unknown decode peer": it lost our
+        handshake (it restarted). Handshake with the group again, then send the indices
+        to that rank again — transparently, at most ``_MAX_REHANDSHAKES`` times per
+        request; after that (or if it had already written for us) the request fails as
+        rejected."""
+        with self._lock:
+            w = self._writers.get(endpoint)
+            group = self._group
+            if w is None or group is None or self._init is None or self._sm.terminal:
+                return
+            if w.statuses or self._rehandshakes >= _MAX_REHANDSHAKES:
+                again = f" (after {self._rehandshakes} new handshake(s))" \
+                    if self._rehandshakes else ""
+                self._on_rejected(endpoint, reason + again)
+                return
+            self._rehandshakes += 1
+            self._resend.add(endpoint)
+            assert self.agent._groups is not None
+            group = self.agent._groups.get(group.key)  # the agent dropped the stale one
+            self._group = group
+            log.info("request %r: prefill %s forgot our handshake; handshaking again",
+                     self.request_id, endpoint)
+        group.add_waiter(self._on_regroup)
+
+    def _on_regroup(self, group: PrefillGroup) -> None:
+        with self._lock:
+            if group is not self._group or self._sm.terminal or self._init is None:
+                return
+            if group.state is GroupState.FAILED:
+                assert group.error is not None
+                self._fail(group.error)
+                return
+            ranks = {r.endpoint: r for r in group.ranks}
+            if set(ranks) != set(self._writers):
+                self._fail(TransferFailed(
+                    f"request {self.request_id!r}: after a new handshake the prefill group "
+                    f"is {sorted(ranks)}, not the {sorted(self._writers)} the indices went "
+                    f"to"))
+                return
+            resend, self._resend = self._resend, set()
+            for ep in sorted(resend):
+                w = self._writers[ep]
+                w.rank, w.layout = ranks[ep].rank, ranks[ep].layout
+                self.agent._post(ep, self._init)
+            self._changed = time.monotonic()
 
     def _on_peer_lost(self, endpoint: str, reason: str) -> None:
         with self._lock:

@@ -38,7 +38,6 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -68,9 +67,9 @@ from kvhandoff.session.errors import (
 )
 from kvhandoff.session.peers import DecodePeer
 from kvhandoff.session.ranks import decode_candidates
-from kvhandoff.session.status import Event, StateMachine, Status
+from kvhandoff.session.request_side import RequestSide
+from kvhandoff.session.status import Event, Status
 from kvhandoff.transport.base import Handle
-from kvhandoff.transport.errors import PeerLost as TransportPeerLost
 from kvhandoff.transport.errors import TransportError
 
 if TYPE_CHECKING:
@@ -111,20 +110,11 @@ class _Settle:
     event: threading.Event = field(default_factory=threading.Event)
 
 
-class Sender:
+class Sender(RequestSide):
     """See the module docstring."""
 
     def __init__(self, agent: Agent, request_id: RequestId) -> None:
-        if agent.role.value != "prefill":
-            raise ValueError(f"a Sender needs a prefill agent, got a {agent.role.value} agent")
-        if isinstance(request_id, bool) or not isinstance(request_id, int | str):
-            raise TypeError(f"request_id must be an int or a str, got {request_id!r}")
-        self.agent = agent
-        self.request_id = request_id
-        self._lock = threading.RLock()
-        self._sm = StateMachine(name=f"prefill request {request_id!r}")
-        self._error: SessionError | None = None
-        self._created = time.monotonic()
+        super().__init__(agent, request_id, "prefill")
         self._num_pages: int | None = None
         self._num_tokens: int | None = None
         self._aux_row: int | None = None
@@ -141,37 +131,13 @@ class Sender:
         for peer, msg in inits:
             self._on_init(peer, msg)
 
-    def __repr__(self) -> str:
-        return f"<Sender {self.request_id!r} {self._sm.state.value}>"
-
-    # --- the engine's calls ------------------------------------------------------------
-
-    @property
-    def status(self) -> Status:
-        return self._sm.state
-
-    def poll(self) -> Status:
-        """The request's status on this rank now; never blocks."""
-        return self._sm.state
-
-    def wait(self, timeout: float) -> Status:
-        """Block until SUCCESS or FAILED, or ``timeout`` seconds; returns the status then."""
-        return self._sm.wait((Status.SUCCESS, Status.FAILED), timeout)
+    # --- the engine's calls (status, poll, wait, error, reason: RequestSide) -----------
 
     def wait_bootstrapped(self, timeout: float) -> Status:
         """Block until every decode rank's indices are in (WAITING_FOR_INPUT or later), or
         the request ended, or ``timeout`` seconds; returns the status then. From then on
         :attr:`decode_prefix_len` is known."""
         return self._sm.wait((Status.WAITING_FOR_INPUT, Status.TRANSFERRING), timeout)
-
-    @property
-    def error(self) -> SessionError | None:
-        """Why the request failed (None unless FAILED)."""
-        return self._error
-
-    @property
-    def reason(self) -> str | None:
-        return self._sm.reason
 
     @property
     def decode_prefix_len(self) -> int | None:
@@ -434,6 +400,8 @@ class Sender:
 
     def _submit(self, chunk: _Chunk) -> None:
         for t in self._targets.values():
+            if self._sm.terminal:  # a write to another rank failed at once
+                return
             try:
                 req = self._request(t, chunk)
                 p = plan(self.agent.layout, t.peer.layout, req)
@@ -449,7 +417,7 @@ class Sender:
             t.submitted += 1
             if chunk.last:
                 t.last_chunk = chunk.no
-            nbytes = p.nbytes  # a sum over every entry: once
+            nbytes = plan_nbytes(p)
             status = TransferStatus(
                 request_id=self.request_id, rank=self.agent.rank_id, chunk=chunk.no,
                 last=chunk.last, outcome=Outcome.SUCCESS, nbytes=nbytes, checksums=sums,
@@ -475,19 +443,32 @@ class Sender:
     # --- completions (completion thread) ---------------------------------------------------
 
     def _on_written(self, t: _Target, status: TransferStatus, handle: Handle,
-                    err: TransportError | None, timed_out: bool) -> None:
+                    err: TransportError | None, timed_out: bool, blocking: bool) -> bool:
+        """A write of ours ended. Called in the transport thread that completed it with
+        ``blocking=False`` (declines, returning False, rather than wait for our lock: its
+        holder may be in ``submit``, waiting on that thread), else in the completion
+        thread."""
         del handle
-        with self._lock:
-            t.inflight -= 1
-            self._settle.inflight -= 1
-            self._settle.poisoned |= timed_out
-            if err is not None:
-                kind = PeerLost if isinstance(err, TransportPeerLost) else TransferFailed
-                self._fail(kind(f"request {self.request_id!r} chunk {status.chunk} to decode "
-                                f"{t.peer.rank} ({t.peer.endpoint}) failed: {err}"))
-            else:
-                self._chunk_done(t, status)
-            self._maybe_settled()
+        if not self._lock.acquire(blocking):
+            return False
+        try:
+            self._written(t, status, err, timed_out)
+        finally:
+            self._lock.release()
+        return True
+
+    def _written(self, t: _Target, status: TransferStatus, err: TransportError | None,
+                 timed_out: bool) -> None:
+        t.inflight -= 1
+        self._settle.inflight -= 1
+        self._settle.poisoned |= timed_out
+        if err is not None:
+            kind = PeerLost if isinstance(err, PeerLost) else TransferFailed
+            self._fail(kind(f"request {self.request_id!r} chunk {status.chunk} to decode "
+                            f"{t.peer.rank} ({t.peer.endpoint}) failed: {err}"))
+        else:
+            self._chunk_done(t, status)
+        self._maybe_settled()
 
     def _chunk_done(self, t: _Target, status: TransferStatus) -> None:
         if self._sm.terminal:
@@ -538,6 +519,29 @@ class Sender:
                                                            rank=self.agent.rank_id))
         s.event.set()
         self.agent._finished(self)
+
+
+_UNIT_BYTES: dict[int, tuple[object, int]] = {}  # id(pieces) -> (pieces, bytes per unit)
+
+
+def plan_nbytes(p: Plan) -> int:
+    """``p.nbytes``, without recomputing every entry's bytes per unit: an entry's
+    ``pieces`` array is shared by every plan between the same two tensors (the planner
+    caches the layout pairing), so its sum is cached by identity (the cache holds the
+    array, so the identity stays its own)."""
+    total = 0
+    for e in p.entries:
+        n = len(e.src_idx)
+        if not n:
+            continue
+        hit = _UNIT_BYTES.get(id(e.pieces))
+        if hit is None or hit[0] is not e.pieces:
+            if len(_UNIT_BYTES) > 65536:
+                _UNIT_BYTES.clear()
+            hit = (e.pieces, e.bytes_per_unit)
+            _UNIT_BYTES[id(e.pieces)] = hit
+        total += hit[1] * n
+    return total
 
 
 def _repageable(layout: Layout, name: str) -> bool:

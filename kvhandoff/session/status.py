@@ -92,8 +92,9 @@ def combine(statuses: Iterable[Status]) -> Status:
 class StateMachine:
     """One request's status on one rank, driven by :meth:`fire`.
 
-    Thread-safe: every method may be called from any thread; waiters block on a
-    condition variable (no polling). ``reason`` is set once, by the transition into
+    Thread-safe: every method may be called from any thread; waiters block on an
+    event of their own (no polling), set only by a change into a state they wait for,
+    so an intermediate step wakes nobody. ``reason`` is set once, by the transition into
     FAILED, and never changes afterwards. ``since`` is the ``clock()`` reading at the
     last change of state (timeouts are measured from it).
     """
@@ -102,6 +103,7 @@ class StateMachine:
         self.name = name
         self._clock = clock
         self._cond = threading.Condition()
+        self._waiters: list[tuple[frozenset[Status], threading.Event]] = []
         self._state = Status.BOOTSTRAPPING
         self._reason: str | None = None
         self._since = clock()
@@ -146,7 +148,9 @@ class StateMachine:
             if new is not old:
                 self._state = new
                 self._since = self._clock()
-                self._cond.notify_all()
+                for want, ev in self._waiters:  # only those waiting for this state
+                    if new in want:
+                        ev.set()
             return new
 
     def fail(self, reason: str, *, event: Event = Event.FAIL) -> bool:
@@ -167,6 +171,14 @@ class StateMachine:
         pass; return the state at that moment (check it: a timeout returns whatever
         the state is)."""
         want = frozenset({states} if isinstance(states, Status) else states) | TERMINAL
+        entry = (want, threading.Event())
         with self._cond:
-            self._cond.wait_for(lambda: self._state in want, timeout)
-            return self._state
+            if self._state in want:
+                return self._state
+            self._waiters.append(entry)
+        try:
+            entry[1].wait(timeout)
+        finally:
+            with self._cond:
+                self._waiters.remove(entry)
+        return self._state

@@ -65,8 +65,8 @@ class Rig:
         self.darena = Arena((0, DECODE, 0, 0, 0))
         self.src = layout_of(self.topo, PREFILL, 0, 0, self.parena)
         self.dst = decode_layout or layout_of(self.topo, DECODE, 0, 0, self.darena)
-        self.prefill = Agent.prefill(self.src, bootstrap_url=url,
-                                     config=config(instance, **(prefill_cfg or {})),
+        self.prefill_cfg = config(instance, **(prefill_cfg or {}))
+        self.prefill = Agent.prefill(self.src, bootstrap_url=url, config=self.prefill_cfg,
                                      transport=prefill_transport or create_transport("tcp"))
         try:
             self.decode = Agent.decode(self.dst, config=config(instance, **(decode_cfg or {})))
@@ -111,6 +111,15 @@ class Rig:
         assert r.wait(10) is Status.SUCCESS, r.reason
         assert s.wait(10) is Status.SUCCESS, s.reason
         return s, r
+
+    def restart_prefill(self) -> None:
+        """Close the prefill agent and start a new one as a restarted process would: same
+        layout and control endpoint, a fresh transport, no memory of any handshake."""
+        port = int(self.prefill.endpoint.rsplit(":", 1)[1])
+        self.prefill.close()
+        self.prefill = Agent.prefill(self.src, bootstrap_url=self.url,
+                                     config=self.prefill_cfg.replace(port=port),
+                                     transport=create_transport("tcp"))
 
     def close(self) -> None:
         self.decode.close()

@@ -4,6 +4,7 @@ returns a Message or raises ProtocolError, whatever bytes arrive."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import subprocess
 import sys
 import typing
@@ -15,6 +16,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from msgspec.structs import replace
 
+import kvhandoff
+import kvhandoff.errors as errors
+import kvhandoff.session as session
+import kvhandoff.session.errors as session_errors
+import kvhandoff.transport as transport
+import kvhandoff.transport.errors as transport_errors
 from kvhandoff import protocol, shapes
 from kvhandoff.layout import (
     NO_LAYER,
@@ -452,3 +459,45 @@ def test_fuzz_layout_fields_give_a_layout_or_a_protocol_error(data: st.DataObjec
     assert isinstance(back, Hello)
     with contextlib.suppress(ProtocolError):
         assert isinstance(layout_from_msg(back.layout), Layout)
+
+
+# --- one error tree: the classes live in kvhandoff.errors; old paths re-export them -------
+
+
+OLD_HOMES = [transport_errors, session_errors, protocol, transport, session, kvhandoff]
+
+
+def _exceptions(module: object) -> dict[str, type]:
+    return {n: v for n, v in vars(module).items()
+            if inspect.isclass(v) and issubclass(v, BaseException)}
+
+
+@pytest.mark.parametrize("module", OLD_HOMES, ids=lambda m: m.__name__)
+def test_every_error_class_is_the_one_from_kvhandoff_errors(module: object) -> None:
+    found = _exceptions(module)
+    ours = {n: v for n, v in found.items() if v.__module__.startswith("kvhandoff")}
+    assert ours
+    for name, cls in ours.items():
+        assert cls.__module__ == "kvhandoff.errors", f"{module}.{name} is defined elsewhere"
+        assert getattr(errors, name) is cls
+
+
+def test_the_shared_concepts_are_one_class_each() -> None:
+    assert transport_errors.PeerLost is session_errors.PeerLost is errors.PeerLost
+    assert transport_errors.TransferFailed is session_errors.TransferFailed
+    assert transport_errors.ProtocolError is protocol.ProtocolError is errors.ProtocolError
+    assert protocol.LocalProtocolError is errors.LocalProtocolError
+    for cls in (errors.PeerLost, errors.TransferFailed, errors.ProtocolError):
+        assert issubclass(cls, errors.TransportError) and issubclass(cls, errors.SessionError)
+    assert issubclass(errors.ProtocolError, ValueError)
+    assert issubclass(errors.ChecksumMismatch, errors.TransferFailed)
+    assert issubclass(errors.RemoteOutOfBounds, errors.RemoteRefused)
+    assert not issubclass(errors.TransportClosed, errors.SessionError)
+    assert not issubclass(errors.RequestTimeout, errors.TransportError)
+
+
+def test_an_except_on_either_path_catches_the_other_layers_error() -> None:
+    with pytest.raises(session_errors.PeerLost):
+        raise transport_errors.PeerLost("lost tcp://x")
+    with pytest.raises(transport_errors.ProtocolError):
+        raise protocol.ProtocolError("junk")

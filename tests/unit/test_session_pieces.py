@@ -13,7 +13,6 @@ from kvhandoff.plan import execute, plan
 from kvhandoff.plan.execute import HostMemory
 from kvhandoff.session import SessionConfig, route_dp
 from kvhandoff.session import aux as auxmod
-from kvhandoff.session.agent import deployment_signature
 from kvhandoff.session.checksum import plan_digests
 from kvhandoff.session.chunks import KvCursor
 from kvhandoff.session.liveness import Liveness
@@ -161,11 +160,3 @@ def test_decode_candidates_mirror_bootstrap_peers(tp: int, td: int, pp: int, pd:
                if (0, p, s) in bootstrap_peers(src_tp_size=tp, src_pp_size=pp, dst_tp_rank=d,
                                                dst_tp_size=td, dst_pp_rank=e, dst_pp_size=pd)}
         assert mine == ref and mine
-
-
-def test_deployment_signature_is_the_same_on_every_pp_stage() -> None:
-    model = shapes.tiny(shapes.get("deepseek_v4"))
-    sigs = {deployment_signature(shapes.layout_for(model, tp_rank=0, tp_size=1, page_size=128,
-                                                   num_pages=4, num_slots=2, pp_rank=s,
-                                                   pp_size=2)) for s in range(2)}
-    assert len(sigs) == 1

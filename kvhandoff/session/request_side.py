@@ -1,0 +1,58 @@
+"""What a Sender and a Receiver share: one request's identity, status and failure.
+
+Each side of a request owns a :class:`~kvhandoff.session.status.StateMachine` and, once
+failed, the error that failed it; the engine reads both the same way on either side."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from kvhandoff.protocol import RequestId
+from kvhandoff.session.errors import SessionError
+from kvhandoff.session.status import StateMachine, Status
+
+if TYPE_CHECKING:
+    from kvhandoff.session.agent import Agent
+
+
+class RequestSide:
+    """One rank's view of one request (base of :class:`Sender` and :class:`Receiver`)."""
+
+    def __init__(self, agent: Agent, request_id: RequestId, role: str) -> None:
+        if agent.role.value != role:
+            kind = "Sender" if role == "prefill" else "Receiver"
+            raise ValueError(f"a {kind} needs a {role} agent, got a {agent.role.value} agent")
+        if isinstance(request_id, bool) or not isinstance(request_id, int | str):
+            raise TypeError(f"request_id must be an int or a str, got {request_id!r}")
+        self.agent = agent
+        self.request_id = request_id
+        self._lock = threading.RLock()
+        self._sm = StateMachine(name=f"{role} request {request_id!r}")
+        self._error: SessionError | None = None
+        self._created = time.monotonic()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.request_id!r} {self._sm.state.value}>"
+
+    @property
+    def status(self) -> Status:
+        return self._sm.state
+
+    def poll(self) -> Status:
+        """The request's status on this rank now; never blocks."""
+        return self._sm.state
+
+    def wait(self, timeout: float) -> Status:
+        """Block until SUCCESS or FAILED, or ``timeout`` seconds; returns the status then."""
+        return self._sm.wait((Status.SUCCESS, Status.FAILED), timeout)
+
+    @property
+    def error(self) -> SessionError | None:
+        """Why the request failed (None unless FAILED)."""
+        return self._error
+
+    @property
+    def reason(self) -> str | None:
+        return self._sm.reason
