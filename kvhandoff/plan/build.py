@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kvhandoff.errors import OutOfBounds, PlanError
-from kvhandoff.layout import Layout, RowKind, TensorSpec
-from kvhandoff.plan.compat import ComponentPair, TensorPair, pair_layouts
-from kvhandoff.plan.model import Plan, TensorPlan
+from kvhandoff.layout import Layout, TensorSpec
+from kvhandoff.plan.compat import ComponentPair, TensorPair, pair_layouts, unit_kind
+from kvhandoff.plan.model import Plan, TensorPlan, _entry
 from kvhandoff.plan.pairing import check_unique, pair_items, ring_units, token_units
 from kvhandoff.plan.request import IndexArray, Indices, Request
+
+_ComponentFn = Callable[[ComponentPair, Indices, list[str]], list[TensorPlan]]
 
 
 def plan(src: Layout, dst: Layout, request: Request) -> Plan:
@@ -19,10 +23,20 @@ def plan(src: Layout, dst: Layout, request: Request) -> Plan:
     index lists that break the component's policy, :class:`OutOfBounds` when a
     byte would fall outside a registered tensor. Pure: no I/O, inputs untouched.
     """
+    return _plan(src, dst, request, _component)
+
+
+def _plan_general(src: Layout, dst: Layout, request: Request) -> Plan:
+    """``plan`` through the general path only (tensor by tensor, as specified): the
+    reference the fast path is tested against."""
+    return _plan(src, dst, request, _component_general)
+
+
+def _plan(src: Layout, dst: Layout, request: Request, component: _ComponentFn) -> Plan:
     pair = pair_layouts(src, dst)
-    unknown = set(request) - pair.names
-    missing = pair.names - set(request)
-    if unknown or missing:
+    if request.keys() != pair.names:
+        unknown = set(request) - pair.names
+        missing = pair.names - set(request)
         raise PlanError(
             f"request must name every component exactly: unknown {sorted(unknown)}, "
             f"missing {sorted(missing)} (use None for a component that does not move now)"
@@ -32,60 +46,119 @@ def plan(src: Layout, dst: Layout, request: Request) -> Plan:
     for comp in pair.components:
         idx = request[comp.name]
         if idx is not None:
-            entries.extend(_component(comp, idx, notes))
+            entries.extend(component(comp, idx, notes))
     return Plan(entries=tuple(entries), src_tp_rank=src.tp_rank, dst_tp_rank=dst.tp_rank,
                 notes=tuple(notes))
 
 
-def _component(comp: ComponentPair, idx: Indices, notes: list[str]) -> list[TensorPlan]:
-    units: dict[tuple[str, int, int], Units] = {}
-    items: list[tuple[IndexArray, IndexArray]] = []  # computed at most once, on first need
+class _UnitCache:
+    """A component's units for one request, per units key, each computed (and validated)
+    at most once: shared by the fast path and the general path it may fall back to."""
 
-    def paired() -> tuple[IndexArray, IndexArray]:
-        if not items:
-            s, d = pair_items(comp.name, comp.policy, idx, notes)
-            check_unique(comp.name, "decode", d)
-            items.append((s, d))
-        return items[0]
+    __slots__ = ("comp", "idx", "items", "notes", "units")
 
-    def units_for(tp: TensorPair) -> tuple[Units, bool]:
-        s, t = tp.src, tp.dst
-        row_path = s.row_kind is RowKind.TOKEN and (
-            not tp.same_rows or idx.src_first_row or idx.dst_first_row
-        )
-        ring_path = s.row_kind is RowKind.RING and not tp.same_rows
-        key = ("token" if row_path else "ring" if ring_path else "item", s.rows, t.rows)
-        if key not in units:
-            if row_path:
-                su, du = token_units(comp.name, comp.policy, idx, s.rows, t.rows, notes)
-                check_unique(comp.name, "decode", du)
-            elif ring_path:
-                su, du = ring_units(comp.name, *paired(), idx.positions, s.rows, t.rows)
+    def __init__(self, comp: ComponentPair, idx: Indices, notes: list[str]) -> None:
+        self.comp, self.idx, self.notes = comp, idx, notes
+        self.units: dict[tuple[str, int, int], Units] = {}
+        self.items: tuple[IndexArray, IndexArray] | None = None
+
+    def paired(self) -> tuple[IndexArray, IndexArray]:
+        if self.items is None:
+            s, d = pair_items(self.comp.name, self.comp.policy, self.idx, self.notes)
+            check_unique(self.comp.name, "decode", d)
+            self.items = (s, d)
+        return self.items
+
+    def get(self, key: tuple[str, int, int]) -> Units:
+        u = self.units.get(key)
+        if u is None:
+            kind, s_rows, d_rows = key
+            name, idx = self.comp.name, self.idx
+            if kind == "token":
+                su, du = token_units(name, self.comp.policy, idx, s_rows, d_rows, self.notes)
+                check_unique(name, "decode", du)
+            elif kind == "ring":
+                su, du = ring_units(name, *self.paired(), idx.positions, s_rows, d_rows)
             else:
-                su, du = paired()
-            units[key] = Units(su, du)
-        return units[key], bool(row_path or ring_path)
+                su, du = self.paired()
+            u = self.units[key] = Units(su, du)
+        return u
 
-    by_items = idx.num_rows is None and not idx.src_first_row and not idx.dst_first_row
-    if not comp.tensors and by_items:
-        paired()  # nothing to move here, but the lists still obey the policy
+
+def _component(comp: ComponentPair, idx: Indices, notes: list[str]) -> list[TensorPlan]:
+    """The fast path: units once per units key, bounds against each key's tightest
+    tensor, entries from per-tensor templates. Anything out of bounds goes down the
+    general path (sharing the units computed so far), which raises exactly what it
+    would have raised alone."""
+    cache = _UnitCache(comp, idx, notes)
+    first_row = bool(idx.src_first_row or idx.dst_first_row)
+    if not comp.tensors and idx.num_rows is None and not first_row:
+        cache.paired()  # nothing to move here, but the lists still obey the policy
+    table = comp.tables[first_row]
+    units: list[Units] = []
+    for kind in table.kinds:
+        u = cache.get(kind.key)
+        if len(u.src):
+            (s_lo, s_hi), (d_lo, d_hi) = u.src_range, u.dst_range
+            if s_lo < 0 or d_lo < 0 or s_hi > kind.src_max or d_hi > kind.dst_max:
+                return _component_general(comp, idx, notes, cache)
+        units.append(u)
+    out = []
+    for k, fixed in table.writers:
+        u = units[k]
+        if len(u.src):
+            out.append(_entry(fixed, u.src, u.dst))
+    return out
+
+
+def _component_general(
+    comp: ComponentPair, idx: Indices, notes: list[str], cache: _UnitCache | None = None
+) -> list[TensorPlan]:
+    """Tensor by tensor: validate its units, bounds-check it, emit it."""
+    if cache is None:
+        cache = _UnitCache(comp, idx, notes)
+        by_items = idx.num_rows is None and not idx.src_first_row and not idx.dst_first_row
+        if not comp.tensors and by_items:
+            cache.paired()  # nothing to move here, but the lists still obey the policy
+    first_row = bool(idx.src_first_row or idx.dst_first_row)
     out = []
     for tp in comp.tensors:
-        u, by_row = units_for(tp)  # validates on every rank, writer or not
+        key, by_row = unit_kind(tp, first_row)
+        u = cache.get(key)  # validates on every rank, writer or not
         if not len(u.src) or not len(tp.item_pieces):
             continue
-        pcs = tp.row_pieces if by_row else tp.item_pieces
-        s_unit = tp.src.row_bytes if by_row else tp.src.item_bytes
-        d_unit = tp.dst.row_bytes if by_row else tp.dst.item_bytes
-        s_ext, d_ext = tp.row_extent if by_row else tp.item_extent
-        _bounds(comp.name, tp.src, "prefill", u.src_range, s_unit, s_ext)
-        _bounds(comp.name, tp.dst, "decode", u.dst_range, d_unit, d_ext)
-        out.append(TensorPlan(
-            component=comp.name, tensor=tp.src.name, layer_id=tp.src.layer_id,
-            src_ptr=tp.src.ptr, dst_ptr=tp.dst.ptr, src_unit=s_unit, dst_unit=d_unit,
-            src_idx=u.src, dst_idx=u.dst, pieces=pcs,
-        ))
+        out.append(_tensor_plan(comp.name, tp, u, by_row))
     return out
+
+
+def _tensor_plan(name: str, tp: TensorPair, u: Units, by_row: bool) -> TensorPlan:
+    pcs = tp.row_pieces if by_row else tp.item_pieces
+    s_unit = tp.src.row_bytes if by_row else tp.src.item_bytes
+    d_unit = tp.dst.row_bytes if by_row else tp.dst.item_bytes
+    s_ext, d_ext = tp.row_extent if by_row else tp.item_extent
+    _bounds(name, tp.src, "prefill", u.src_range, s_unit, s_ext)
+    _bounds(name, tp.dst, "decode", u.dst_range, d_unit, d_ext)
+    return TensorPlan(
+        component=name, tensor=tp.src.name, layer_id=tp.src.layer_id,
+        src_ptr=tp.src.ptr, dst_ptr=tp.dst.ptr, src_unit=s_unit, dst_unit=d_unit,
+        src_idx=u.src, dst_idx=u.dst, pieces=pcs,
+    )
+
+
+_SMALL = 32  # up to this many indices, Python's min/max beat numpy's reductions
+
+
+def _range(a: IndexArray) -> tuple[int, int]:
+    n = len(a)
+    if not n:
+        return (0, 0)
+    if n == 1:
+        v = int(a[0])
+        return (v, v)
+    if n <= _SMALL:
+        vals = a.tolist()
+        return (min(vals), max(vals))
+    return (int(a.min()), int(a.max()))
 
 
 class Units:
@@ -95,8 +168,8 @@ class Units:
 
     def __init__(self, src: IndexArray, dst: IndexArray) -> None:
         self.src, self.dst = src, dst
-        self.src_range = (int(src.min()), int(src.max())) if len(src) else (0, 0)
-        self.dst_range = (int(dst.min()), int(dst.max())) if len(dst) else (0, 0)
+        self.src_range = _range(src)
+        self.dst_range = _range(dst)
 
 
 def _bounds(
@@ -109,3 +182,4 @@ def _bounds(
             f"component {name!r} tensor {t.name!r} layer {t.layer_id}: {side} index {bad} "
             f"(unit {unit} B) reaches byte {bad * unit + extent} of a {t.nbytes} B tensor"
         )
+

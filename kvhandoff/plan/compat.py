@@ -8,7 +8,8 @@ something the handshake could have seen.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -34,12 +35,39 @@ class TensorPair:
 
 
 @dataclass(frozen=True, slots=True)
+class UnitKind:
+    """One distinct way a component's tensors turn a request into units (computed once
+    per request for every tensor sharing it), with the bounds of every tensor that uses
+    it folded into the highest unit index each side may take."""
+
+    key: tuple[str, int, int]  # ("token" | "ring" | "item", prefill rows, decode rows)
+    src_max: int  # a unit index above this reaches past some writing tensor's end
+    dst_max: int
+
+
+@dataclass(frozen=True, slots=True)
+class UnitTable:
+    """A component's tensors as the planner walks them for one request shape (whether
+    the request starts mid-page or not): everything that depends only on the layouts."""
+
+    kinds: tuple[UnitKind, ...]  # in order of first use
+    # per writing tensor pair, in order: (index into kinds, the fixed TensorPlan fields)
+    writers: tuple[tuple[int, dict[str, object]], ...]
+
+
+@dataclass(frozen=True, slots=True)
 class ComponentPair:
     name: str
     policy: Policy
     # every non-elided pair, including those this source does not write (another rank
     # was elected): a request is validated the same way on every rank
     tensors: tuple[TensorPair, ...]
+    # [no first row given, a first row given]: see unit_tables()
+    tables: tuple[UnitTable, UnitTable] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tables", (unit_table(self.name, self.tensors, False),
+                                            unit_table(self.name, self.tensors, True)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,3 +199,50 @@ def _pieces(src: Layout, dst: Layout, s: TensorSpec, t: TensorSpec, rows: bool) 
         Side(t.item_bytes // div_t, t.shard, t.shard.outer // div_t if t.shard else 1,
              dst.tp_rank, dst.tp_size),
     )
+
+
+_NO_LIMIT = sys.maxsize  # above any int64 index
+
+
+def unit_kind(tp: TensorPair, first_row: bool) -> tuple[tuple[str, int, int], bool]:
+    """The units key of a tensor pair and whether it moves by rows: the same decision the
+    general path of the planner makes per tensor (``first_row``: the request gives a
+    first row on either side)."""
+    s, t = tp.src, tp.dst
+    row_path = s.row_kind is RowKind.TOKEN and (not tp.same_rows or first_row)
+    ring_path = s.row_kind is RowKind.RING and not tp.same_rows
+    key = ("token" if row_path else "ring" if ring_path else "item", s.rows, t.rows)
+    return key, bool(row_path or ring_path)
+
+
+def _max_index(unit: int, extent: int, nbytes: int) -> int:
+    """The highest unit index ``i`` with ``i * unit + extent <= nbytes`` (-1: none)."""
+    if unit > 0:
+        return (nbytes - extent) // unit
+    if unit == 0:
+        return _NO_LIMIT if extent <= nbytes else -1
+    return -1  # never happens for a validated layout; -1 sends it down the general path
+
+
+def unit_table(name: str, tensors: tuple[TensorPair, ...], first_row: bool) -> UnitTable:
+    keys: dict[tuple[str, int, int], list[int]] = {}  # key -> [src_max, dst_max]
+    writers: list[tuple[int, dict[str, object]]] = []
+    for tp in tensors:
+        key, by_row = unit_kind(tp, first_row)
+        lim = keys.setdefault(key, [_NO_LIMIT, _NO_LIMIT])
+        if not len(tp.item_pieces):
+            continue
+        pcs = tp.row_pieces if by_row else tp.item_pieces
+        s_unit = tp.src.row_bytes if by_row else tp.src.item_bytes
+        d_unit = tp.dst.row_bytes if by_row else tp.dst.item_bytes
+        s_ext, d_ext = tp.row_extent if by_row else tp.item_extent
+        lim[0] = min(lim[0], _max_index(s_unit, s_ext, tp.src.nbytes))
+        lim[1] = min(lim[1], _max_index(d_unit, d_ext, tp.dst.nbytes))
+        per_unit = int(sum(row[2] * row[3] for row in pcs.tolist()))
+        writers.append((list(keys).index(key), {
+            "component": name, "tensor": tp.src.name, "layer_id": tp.src.layer_id,
+            "src_ptr": tp.src.ptr, "dst_ptr": tp.dst.ptr, "src_unit": s_unit,
+            "dst_unit": d_unit, "pieces": pcs, "_per_unit": per_unit,
+        }))
+    kinds = tuple(UnitKind(k, v[0], v[1]) for k, v in keys.items())
+    return UnitTable(kinds, tuple(writers))

@@ -20,9 +20,13 @@ from kvhandoff.plan.request import IndexArray
 I64 = npt.NDArray[np.int64]
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class TensorPlan:
-    """The bytes moving between one source tensor and its paired destination tensor."""
+    """The bytes moving between one source tensor and its paired destination tensor.
+
+    (No ``__slots__``: the planner builds entries from a per-tensor template with one
+    dict update, several times cheaper than the frozen ``__init__``; see ``_entry``.)
+    """
 
     component: str
     tensor: str
@@ -98,6 +102,20 @@ class TensorPlan:
             self.dst_ptr + d[starts] * self.dst_unit,
             counts * self.src_unit,
         )
+
+
+_new = object.__new__
+
+
+def _entry(fixed: dict[str, object], src_idx: IndexArray, dst_idx: IndexArray) -> TensorPlan:
+    """A TensorPlan from its fixed fields (every field but the index arrays, plus
+    ``_per_unit``) and its index arrays: equal to ``TensorPlan(...)`` with those values."""
+    e: TensorPlan = _new(TensorPlan)
+    d = e.__dict__
+    d.update(fixed)
+    d["src_idx"] = src_idx
+    d["dst_idx"] = dst_idx
+    return e
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,10 +9,15 @@ import numpy as np
 import numpy.typing as npt
 
 IndexArray = npt.NDArray[np.int64]
+_I64 = np.dtype(np.int64)
 
 
 def as_indices(values: object, what: str) -> IndexArray:
     """A read-only int64 copy/view of ``values`` (never the caller's array, never written)."""
+    if type(values) is np.ndarray and values.ndim == 1 and values.dtype == _I64:
+        fast: IndexArray = values.copy()  # the common case, without the general checks
+        fast.setflags(write=False)
+        return fast
     arr = np.asarray(values)
     if arr.ndim != 1:
         raise ValueError(f"{what}: index list must be 1-D, got shape {arr.shape}")

@@ -417,7 +417,7 @@ class Sender(RequestSide):
             t.submitted += 1
             if chunk.last:
                 t.last_chunk = chunk.no
-            nbytes = plan_nbytes(p)
+            nbytes = p.nbytes  # the planner's entries carry their bytes per unit
             status = TransferStatus(
                 request_id=self.request_id, rank=self.agent.rank_id, chunk=chunk.no,
                 last=chunk.last, outcome=Outcome.SUCCESS, nbytes=nbytes, checksums=sums,
@@ -519,29 +519,6 @@ class Sender(RequestSide):
                                                            rank=self.agent.rank_id))
         s.event.set()
         self.agent._finished(self)
-
-
-_UNIT_BYTES: dict[int, tuple[object, int]] = {}  # id(pieces) -> (pieces, bytes per unit)
-
-
-def plan_nbytes(p: Plan) -> int:
-    """``p.nbytes``, without recomputing every entry's bytes per unit: an entry's
-    ``pieces`` array is shared by every plan between the same two tensors (the planner
-    caches the layout pairing), so its sum is cached by identity (the cache holds the
-    array, so the identity stays its own)."""
-    total = 0
-    for e in p.entries:
-        n = len(e.src_idx)
-        if not n:
-            continue
-        hit = _UNIT_BYTES.get(id(e.pieces))
-        if hit is None or hit[0] is not e.pieces:
-            if len(_UNIT_BYTES) > 65536:
-                _UNIT_BYTES.clear()
-            hit = (e.pieces, e.bytes_per_unit)
-            _UNIT_BYTES[id(e.pieces)] = hit
-        total += hit[1] * n
-    return total
 
 
 def _repageable(layout: Layout, name: str) -> bool:
