@@ -13,6 +13,19 @@
 * :class:`Progress`: polls an engine with backoff sleeps, from a daemon thread or
   from the thread waiting on a handle; an idle transport uses no CPU and a busy one
   never spins a core.
+
+``close`` is bounded by the ``close_timeout`` option (default 5 s): it fails every
+pending handle first, then tears down staging and the engine on a daemon thread. That
+teardown can wait on peers (posted requests are given a moment to run out, staging's
+threads wait on engine writes, an engine's destructor may wait on its connections);
+if it has not finished in time, ``close`` finishes this side anyway
+(pending handles failed, progress thread stopped), logs a warning naming the peers that
+still had work in the engine, and leaves the engine's teardown running on that daemon
+thread (arrays registered with the transport stay alive until it ends; memory the
+caller registered as raw regions must, too). What no timeout here can bound: an
+engine call that blocks while holding the GIL (Mooncake's first contact with a
+segment); the Mooncake adapter makes that call in ``connect``, right after the peer
+answered a probe, not in ``submit`` or ``close``.
 """
 
 from __future__ import annotations
@@ -37,7 +50,12 @@ from kvhandoff.errors import OutOfBounds
 from kvhandoff.layout import MemoryKind, Region
 from kvhandoff.plan.model import Plan, Segments
 from kvhandoff.transport.base import Availability, Handle, Peer, TransferState, Transport
-from kvhandoff.transport.errors import ConnectError, RemoteOutOfBounds, TransportClosed
+from kvhandoff.transport.errors import (
+    ConnectError,
+    RemoteOutOfBounds,
+    TransportClosed,
+    TransportError,
+)
 from kvhandoff.transport.regions import RegionTable, plan_side_problem
 from kvhandoff.transport.staging import (
     StagedHandle,
@@ -192,11 +210,12 @@ class Progress:
         start = time.monotonic()
         deadline = start + max(0.0, timeout)
         delay = self._min
+        busy = True  # unknown until polled
         with self._cond:
             self._waiters += 1
         try:
             while handle.state is TransferState.PENDING and not self._stopping:
-                progressed, _ = self._step()
+                progressed, busy = self._step()
                 now = time.monotonic()
                 if handle.state is not TransferState.PENDING or now >= deadline:
                     break
@@ -208,8 +227,9 @@ class Progress:
         finally:
             with self._cond:
                 self._waiters -= 1
-                self._kicked = True  # the thread resumes polling what is left
-                self._cond.notify()
+                if busy:  # the thread resumes polling what is left (if nothing is left,
+                    self._kicked = True  # waking it only contends for the lock and GIL)
+                    self._cond.notify()
         if handle.state is TransferState.PENDING and self._stopping:
             return handle.wait(max(0.0, deadline - time.monotonic()))
         return handle.state
@@ -333,17 +353,22 @@ class EngineTransport(Transport):
     memory included), for source checks and the endpoint's region table; memory that
     staging registers with the engine is in neither. Options every engine takes:
     ``host`` (the address peers reach this side's control channel at), ``io_timeout``,
-    ``connect_timeout`` and ``staging`` (``True``: :attr:`staging_defaults`;
-    ``False``: off; or a :class:`~kvhandoff.transport.staging.StagingConfig`)."""
+    ``connect_timeout``, ``close_timeout`` (seconds ``close`` waits for the engine's
+    own teardown before leaving it to a daemon thread; see the module docstring) and
+    ``staging`` (``True``: :attr:`staging_defaults`; ``False``: off; or a
+    :class:`~kvhandoff.transport.staging.StagingConfig`)."""
 
     peer_type: ClassVar[type[EnginePeer]]
     staging_defaults: ClassVar[StagingConfig] = StagingConfig()
     _progress: Progress  # started by the subclass once its engine exists
 
     def __init__(self, *, host: str, io_timeout: float, connect_timeout: float,
-                 staging: StagingConfig | bool) -> None:
+                 staging: StagingConfig | bool, close_timeout: float = 5.0) -> None:
+        if not close_timeout > 0:
+            raise ValueError(f"{self.name} needs a positive close_timeout, got {close_timeout}")
         super().__init__()
         self._io_timeout, self._connect_timeout = io_timeout, connect_timeout
+        self._close_timeout = close_timeout
         self._all = RegionTable()  # every registered region, device memory included
         config = staging if isinstance(staging, StagingConfig) else replace(
             self.staging_defaults, enabled=bool(staging))
@@ -384,6 +409,17 @@ class EngineTransport(Transport):
     @abc.abstractmethod
     def _crashed(self, exc: BaseException) -> None:
         """The progress thread died: fail everything pending."""
+
+    @abc.abstractmethod
+    def _fail_pending(self, error: TransportError) -> None:
+        """Fail every pending handle with ``error`` and send nothing more; requests
+        already in the engine may run out (``_close_engine`` reaps them)."""
+
+    @abc.abstractmethod
+    def _abandon(self, error: TransportError) -> list[str]:
+        """``close`` gave up waiting for the engine: fail every pending handle with
+        ``error`` without waiting for the engine (nor for a lock a thread stuck in it
+        may hold); returns the names of the peers that still had work in the engine."""
 
     @abc.abstractmethod
     def _close_engine(self) -> None:
@@ -467,5 +503,31 @@ class EngineTransport(Transport):
         return self._staging.config
 
     def _close(self) -> None:
-        self._staging.close()  # links first: their engine writes finish or fail
-        self._close_engine()
+        """Bounded by ``close_timeout`` (see the module docstring)."""
+        closed = TransportClosed(f"{self.name} transport closed")
+        finished = threading.Event()
+        keep = list(self._keepalive)  # registered arrays outlive the engine, even abandoned
+
+        def teardown() -> None:
+            try:
+                self._staging.abandon(closed)  # staged submits fail as closed, not lost
+                self._fail_pending(closed)  # staging's engine writes fail: its threads exit
+                self._staging.close()
+                self._close_engine()
+            except Exception:
+                log.exception("%s: closing the engine failed", self.name)
+            finally:
+                finished.set()
+                keep.clear()
+
+        threading.Thread(target=teardown, name=f"kvhandoff-{self.name}-close",
+                         daemon=True).start()
+        if finished.wait(self._close_timeout):
+            return
+        peers = self._abandon(closed)
+        self._staging.abandon(closed)
+        self._progress.stop(timeout=0.5)
+        log.warning("%s: the engine's teardown did not finish within close_timeout=%ss "
+                    "(peers with work in flight: %s; a frozen or unreachable peer?); every "
+                    "pending handle failed and the teardown goes on in a daemon thread",
+                    self.name, self._close_timeout, ", ".join(peers) or "none")

@@ -23,6 +23,15 @@ How the engine is driven, and why (measured in ``reference/baselines.md``):
 * Engine results are negative ints; they are mapped to :mod:`kvhandoff.transport.errors`
   in :func:`_error` and nowhere else.
 
+* The engine's first contact with a peer's segment (a handshake) blocks *holding the
+  GIL* until the peer answers, ~60 s for a frozen peer, stalling every thread of the
+  process. ``connect`` therefore opens the segment itself, right after the peer
+  answered a probe (which releases the GIL and is bounded), so ``submit``, the
+  progress thread and ``close`` never make that first contact.
+* ``close`` is bounded by ``close_timeout`` (default 5 s): the engine's destructor joins
+  threads that may be blocked on TCP to a frozen peer; past the timeout it is left to
+  a daemon thread (see :mod:`kvhandoff.transport._engine`).
+
 The endpoint carries the session and the registered region table; ``submit`` refuses a
 plan with any destination byte outside the peer's advertised regions before anything
 is sent. (The TCP server checks again on its side.) Regions the peer registers after
@@ -230,6 +239,7 @@ class MooncakeTransport(EngineTransport):
     ``io_timeout``: seconds without a completion before a peer is declared lost
     (default 30); ``connect_timeout`` (default 5); ``env``: extra ``MC_*`` variables
     for the engine (e.g. ``MC_TCP_LANES_PER_PEER``), applied around its construction;
+    ``close_timeout``: seconds ``close`` waits for the engine's teardown (default 5);
     ``cuda``: also accept CUDA memory (registered as ``cuda:<device>``; untested here);
     ``staging``: see :class:`~kvhandoff.transport._engine.EngineTransport` (over TCP
     the engine runs ~28 k requests/s whatever their size, so plans averaging under
@@ -244,7 +254,8 @@ class MooncakeTransport(EngineTransport):
     def __init__(self, *, protocol: str = "tcp", host: str = "127.0.0.1", device: str = "",
                  max_inflight: int = 1024, io_timeout: float = 30.0,
                  connect_timeout: float = 5.0, env: Mapping[str, str] | None = None,
-                 cuda: bool = False, staging: StagingConfig | bool = True) -> None:
+                 cuda: bool = False, staging: StagingConfig | bool = True,
+                 close_timeout: float = 5.0) -> None:
         if protocol not in ("tcp", "rdma"):
             raise ValueError(f"mooncake protocol must be 'tcp' or 'rdma', got {protocol!r}")
         if not 1 <= max_inflight <= _TCP_QUEUE_MAX or io_timeout <= 0 or connect_timeout <= 0:
@@ -258,7 +269,7 @@ class MooncakeTransport(EngineTransport):
         if protocol == "rdma" and staging is True:
             staging = StagingConfig(below=16 << 10)
         super().__init__(host=host, io_timeout=io_timeout, connect_timeout=connect_timeout,
-                         staging=staging)
+                         staging=staging, close_timeout=close_timeout)
         if cuda:  # per instance: whether device memory is wanted is the caller's choice
             self.capabilities = replace(  # type: ignore[misc]
                 self.capabilities, memory=frozenset(MemoryKind))
@@ -324,6 +335,7 @@ class MooncakeTransport(EngineTransport):
                 f"mooncake peer {ep.address} speaks {theirs!r}, this side {self._protocol!r}")
         table = ep.table()
         self._probe(ep.address)
+        self._open_segment(ep.address)
         with self._lock:
             lane = self._lanes.get(ep.address)
             if lane is not None and lane.lost is not None:
@@ -361,6 +373,21 @@ class MooncakeTransport(EngineTransport):
                                f"{self._connect_timeout}s")
         if result[0] != 0:
             raise ConnectError(f"mooncake peer {session} unreachable: {_describe(result[0])}")
+
+    def _open_segment(self, session: str) -> None:
+        """Have the engine fetch (and cache) the peer's segment now, while the probe
+        that just answered says the peer is alive: this call holds the GIL until the
+        peer replies (see the module docstring), so it must not happen in ``submit``."""
+        opener = getattr(self._te, "get_first_buffer_address", None)
+        if opener is None:
+            return  # older engines: the first transfer opens it
+        with self._lock:
+            self._check_open()
+            try:
+                opener(session)  # returns 0 when the peer registered nothing yet: fine
+            except Exception as e:  # the engine raises its own types
+                raise ConnectError(f"mooncake could not open {session}'s segment: {e!r}"
+                                   ) from e
 
     # --- the data path ---------------------------------------------------------------
 
@@ -468,15 +495,33 @@ class MooncakeTransport(EngineTransport):
 
     # --- lifecycle ---------------------------------------------------------------------
 
+    def _fail_pending(self, error: TransportError) -> None:
+        with self._lock:  # stop sending; fail what is pending
+            self._fail_lanes(list(self._lanes.values()), error)
+
+    @staticmethod
+    def _fail_lanes(lanes: list[_Lane], error: TransportError) -> None:
+        for lane in lanes:
+            queued, lane.queue = list(lane.queue), deque()
+            for job in queued:
+                job.fail(error)
+            for _, job in list(lane.inflight):
+                job.fail(error)
+
+    def _abandon(self, error: TransportError) -> list[str]:
+        locked = self._lock.acquire(timeout=0.2)  # a thread may be stuck in the engine
+        try:
+            lanes = list(self._lanes.values())
+            busy = [lane.session for lane in lanes if lane.inflight or lane.queue]
+            self._fail_lanes(lanes, error)
+        finally:
+            if locked:
+                self._lock.release()
+        return busy
+
     def _close_engine(self) -> None:
         deadline = time.monotonic() + min(self._io_timeout, 2.0)
-        with self._lock:  # stop sending; fail what is pending
-            for lane in self._lanes.values():
-                for job in lane.queue:
-                    job.fail(TransportClosed("mooncake transport closed"))
-                lane.queue.clear()
-                for _, job in lane.inflight:
-                    job.fail(TransportClosed("mooncake transport closed"))
+        self._fail_pending(TransportClosed("mooncake transport closed"))
         # let requests already in the engine finish before it is destroyed
         while time.monotonic() < deadline:
             with self._lock:

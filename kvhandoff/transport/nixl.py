@@ -32,6 +32,12 @@ How the agent is driven, and why (measured in ``reference/baselines.md`` §3-4):
   :class:`TransferState` and :mod:`kvhandoff.transport.errors` in :func:`_status` and
   :func:`_error`, nowhere else.
 
+* ``close`` is bounded by ``close_timeout`` (default 5 s; see
+  :mod:`kvhandoff.transport._engine`). Measured here with a SIGSTOPped peer, NIXL's own
+  teardown does not wait on it (``cma`` writes land in a frozen process; releasing
+  requests and the agent is local), so only staging's control channel could wait,
+  and the shared bound covers it.
+
 The endpoint carries the agent metadata and the registered region table; ``submit``
 refuses a plan with any destination byte outside the peer's advertised regions before
 anything is posted.
@@ -162,7 +168,8 @@ class NixlTransport(EngineTransport):
     UCX ``ucx_error_handling_mode`` (default ``"none"``, see the module docstring);
     ``inline_bytes``: plans up to this size are posted from ``submit`` (default 4 MiB);
     ``io_timeout``: seconds a posted transfer may stay in progress before the peer is
-    declared lost (default 30); ``connect_timeout`` (default 5); ``cuda``: also accept
+    declared lost (default 30); ``connect_timeout`` (default 5); ``close_timeout``:
+    seconds ``close`` waits for the agent's teardown (default 5); ``cuda``: also accept
     CUDA memory as VRAM (untested here); ``agent_name``: default
     ``kvh-<host>-<pid>-<random>``; ``host``: where peers reach the staging channel
     (default 127.0.0.1); ``staging``: see
@@ -180,7 +187,8 @@ class NixlTransport(EngineTransport):
                  error_handling: str = "none", inline_bytes: int = 4 << 20,
                  io_timeout: float = 30.0, connect_timeout: float = 5.0, cuda: bool = False,
                  agent_name: str | None = None, env: Mapping[str, str] | None = None,
-                 host: str = "127.0.0.1", staging: StagingConfig | bool = True) -> None:
+                 host: str = "127.0.0.1", staging: StagingConfig | bool = True,
+                 close_timeout: float = 5.0) -> None:
         if error_handling not in ("none", "peer"):
             raise ValueError(f"error_handling must be 'none' or 'peer', got {error_handling!r}")
         if inline_bytes < 0 or io_timeout <= 0 or connect_timeout <= 0:
@@ -191,7 +199,7 @@ class NixlTransport(EngineTransport):
         if not ok:
             raise TransportUnavailable(reason)
         super().__init__(host=host, io_timeout=io_timeout, connect_timeout=connect_timeout,
-                         staging=staging)
+                         staging=staging, close_timeout=close_timeout)
         if cuda:  # per instance: whether device memory is wanted is the caller's choice
             self.capabilities = replace(  # type: ignore[misc]
                 self.capabilities, memory=frozenset(MemoryKind))
@@ -448,15 +456,29 @@ class NixlTransport(EngineTransport):
 
     # --- lifecycle ---------------------------------------------------------------------
 
-    def _close_engine(self) -> None:
-        deadline = time.monotonic() + min(self._io_timeout, 2.0)
+    def _fail_pending(self, error: TransportError) -> None:
         with self._lock:
             for job in self._to_post:
-                job.fail(TransportClosed("nixl transport closed"))
+                job.fail(error)
                 _release(job.xfers)
             self._to_post.clear()
             for job in self._inflight:
-                job.fail(TransportClosed("nixl transport closed"))
+                job.fail(error)
+
+    def _abandon(self, error: TransportError) -> list[str]:
+        locked = self._lock.acquire(timeout=0.2)  # a thread may be stuck in the agent
+        try:
+            jobs = [*list(self._to_post), *list(self._inflight)]
+            for job in jobs:
+                job.fail(error)
+        finally:
+            if locked:
+                self._lock.release()
+        return sorted({job.peer.name for job in jobs})
+
+    def _close_engine(self) -> None:
+        deadline = time.monotonic() + min(self._io_timeout, 2.0)
+        self._fail_pending(TransportClosed("nixl transport closed"))
         while time.monotonic() < deadline:  # let posted requests finish before teardown
             _, busy = self._step()
             if not busy:

@@ -413,19 +413,21 @@ class StagingLink(WorkerPeer):
         job.remaining = len(frames)
         if len(frames) > 1:  # the receiver refuses the whole plan before any scatter
             self._message(job, -1, plan_records(job.plan), check=True)
-        free = list(range(len(self._bufs)))  # never more buffers than slots: no deadlock
+        bufs = self._bufs  # close() may empty the list while this thread still runs
+        free = list(range(len(bufs)))  # never more buffers than slots: no deadlock
         flying: deque[tuple[list[Chunk], int, int, Handle]] = deque()
         try:
             for frame in frames:
-                if job.handle.state is not TransferState.PENDING or self._error is not None:
+                if self._halted(job):
                     break
                 while not free:  # commits the oldest frame, so its slot will come back
                     free.append(self._complete(job, *flying.popleft()))
+                if self._halted(job):
+                    break  # failed or closed while that frame completed
                 b = free.pop()
-                n = gather(frame, self._table(), self._bufs[b])  # while slots come back
+                n = gather(frame, self._table(), bufs[b])  # while slots come back
                 slot = self._take_slot()  # fewer frames fly than slots exist: one returns
-                inner = self._write(self._peer, int(self._bufs[b].ctypes.data),
-                                    self._slots[slot], n)
+                inner = self._write(self._peer, int(bufs[b].ctypes.data), self._slots[slot], n)
                 flying.append((frame, slot, b, inner))
                 while flying and flying[0][3].state is not TransferState.PENDING:
                     free.append(self._complete(job, *flying.popleft()))
@@ -437,6 +439,10 @@ class StagingLink(WorkerPeer):
                     self._stuck = True
                 inner.release()
             raise
+
+    def _halted(self, job: _Job) -> bool:
+        """Whether ``job`` must send nothing more (failed, released, or link lost)."""
+        return job.handle.state is not TransferState.PENDING or self._error is not None
 
     def _take_slot(self) -> int:
         try:
@@ -508,6 +514,10 @@ class StagingLink(WorkerPeer):
                     self._forget(job)
 
     # --- failure and close ----------------------------------------------------------
+
+    def abandon(self, error: TransportError) -> None:
+        """Fail what is pending and wake the threads; joins nothing."""
+        self._fail(error)
 
     def _wake(self) -> None:
         shut(self._sock)
@@ -636,6 +646,14 @@ class Staging:
             return False
         return (plan_side_problem(plan, self._table(), "src") is None
                 and plan_side_problem(plan, dst_host, "dst") is None)
+
+    def abandon(self, error: TransportError) -> None:
+        """Fail every link's pending submits with ``error`` and wake its threads,
+        without waiting for them (``close`` could not finish in time)."""
+        with self._lock:
+            links = list(self._links)
+        for link in links:
+            link.abandon(error)
 
     def close(self) -> None:
         """Close every link (failing its pending submits) and the control server."""
