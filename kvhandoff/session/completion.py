@@ -7,10 +7,13 @@ blocking (``blocking=False``: a request whose lock is held elsewhere returns Fal
 a transport thread must never wait on a request lock, whose holder may be inside
 ``submit`` waiting on that very thread — and is otherwise handed to the completion
 thread, which calls it again with ``blocking=True``. That one thread per agent also
-serves what a callback cannot do: transports that make progress only when the caller
-polls (the contract allows it) and deadlines. It polls the pending handles every slice (0.5 ms,
-doubling to 4 ms while nothing finishes; idle, it sleeps on a condition variable, no
-CPU). A handle pending longer than ``timeout`` is released (cancelled) and reported as
+serves what a callback cannot do: deadlines, and transports that make progress only
+when the caller polls (the contract allows it). For those it polls the pending handles
+every slice (0.5 ms, doubling to 4 ms while nothing finishes). A transport whose
+capabilities say ``self_completing`` (every built-in one) is never polled: the thread
+sleeps until a declined callback or the earliest deadline, so it does not compete with
+the transport's own threads right after a submit. Idle, it sleeps on a condition
+variable (no CPU). A handle pending longer than ``timeout`` is released (cancelled) and reported as
 timed out: bytes of a cancelled transfer may still land, so the callback is told
 (``timed_out=True``) and the request must not promise its peer "no write in flight".
 
@@ -44,6 +47,7 @@ must run then)."""
 _SLICE_S = 0.0005  # poll the pending handles this often...
 _MAX_SLICE_S = 0.004  # ...doubling while nothing finishes, up to this
 _JOIN_S = 5.0
+_MAX_SLEEP_S = 3600.0  # bounds a wait even for an infinite timeout (threading refuses inf)
 
 
 @dataclass(eq=False, slots=True)
@@ -58,6 +62,7 @@ class Completions:
 
     def __init__(self, transport: Transport, *, timeout: float, name: str = "agent") -> None:
         self._transport = transport
+        self._poll = not transport.capabilities.self_completing
         self._timeout = timeout
         self._cond = threading.Condition()
         self._pending: dict[int, _Item] = {}  # id(item) -> item, in tracking order
@@ -79,7 +84,7 @@ class Completions:
             if not stopped:
                 first = not self._pending
                 self._pending[id(item)] = item
-                if first:
+                if first and self._poll:  # else the thread's next wake-up is soon enough
                     self._cond.notify()
         if stopped:
             handle.release()
@@ -125,9 +130,12 @@ class Completions:
         slice_s = _SLICE_S
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: bool(self._pending or self._deferred or self._stop))
+                if self._poll:
+                    self._cond.wait_for(
+                        lambda: bool(self._pending or self._deferred or self._stop))
                 if not self._deferred:  # done-callbacks report what completes meanwhile
-                    self._cond.wait_for(lambda: self._stop or bool(self._deferred), slice_s)
+                    self._cond.wait_for(lambda: self._stop or bool(self._deferred),
+                                        slice_s if self._poll else self._until_deadline())
                 if self._stopping():
                     return
                 deferred, self._deferred = self._deferred, []
@@ -137,7 +145,9 @@ class Completions:
             now = time.monotonic()
             done: list[tuple[_Item, TransportError | None, bool]] = []
             for item in batch:
-                state = self._state(item.handle)  # drives engines that progress in poll
+                # polling drives transports that progress only in poll; the others
+                # finish their handles themselves and only deadlines are checked
+                state = self._state(item.handle) if self._poll else TransferState.PENDING
                 if state is TransferState.DONE:
                     done.append((item, None, False))
                 elif state is TransferState.FAILED:
@@ -152,6 +162,14 @@ class Completions:
                     if timed_out:
                         item.handle.release()
                     self._call(item, err, timed_out)
+
+    def _until_deadline(self) -> float:
+        """Seconds until the earliest pending deadline (the oldest item: every item gets
+        the same timeout), or a full timeout when none is pending (caller holds the
+        condition). A handle tracked meanwhile has a later deadline than this wake-up."""
+        first = next(iter(self._pending.values()), None)
+        left = self._timeout if first is None else first.deadline - time.monotonic()
+        return min(max(0.0, left), _MAX_SLEEP_S)
 
     def _stopping(self) -> bool:
         return self._stop

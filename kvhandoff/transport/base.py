@@ -112,7 +112,10 @@ class Capabilities:
     ``strided``: executes factored pieces (head slices) natively, without flattening
     to one request per segment. ``cross_process`` / ``cross_host``: where peers may
     live. ``needs_allocate``: destinations must come from :meth:`Transport.allocate`
-    (shared-memory arenas), not arbitrary registered memory.
+    (shared-memory arenas), not arbitrary registered memory. ``self_completing``: the
+    transport finishes every handle from its own threads (done-callbacks fire without
+    anyone calling :meth:`Transport.poll` or :meth:`Transport.wait`), so a caller
+    tracking many handles need not poll them.
     """
 
     memory: frozenset[MemoryKind] = field(default=frozenset({MemoryKind.HOST}))
@@ -120,6 +123,7 @@ class Capabilities:
     cross_process: bool = True
     cross_host: bool = True
     needs_allocate: bool = False
+    self_completing: bool = False
 
 
 class Handle:

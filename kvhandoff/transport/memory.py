@@ -51,7 +51,8 @@ class MemoryTransport(Transport):
     """Thread-safe; copies run in the submitting thread, concurrently across threads."""
 
     name = "memory"
-    capabilities = Capabilities(strided=True, cross_process=False, cross_host=False)
+    capabilities = Capabilities(strided=True, cross_process=False, cross_host=False,
+                                 self_completing=True)
 
     def __init__(self) -> None:
         super().__init__()

@@ -247,7 +247,8 @@ class MooncakeTransport(EngineTransport):
     """
 
     name: ClassVar[str] = "mooncake"
-    capabilities: ClassVar[Capabilities] = Capabilities(strided=True)  # by staging
+    capabilities: ClassVar[Capabilities] = Capabilities(  # strided by staging
+        strided=True, self_completing=True)
     peer_type = MooncakePeer
     staging_defaults = StagingConfig(below=128 << 10)
 

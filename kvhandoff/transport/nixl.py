@@ -179,7 +179,8 @@ class NixlTransport(EngineTransport):
     """
 
     name: ClassVar[str] = "nixl"
-    capabilities: ClassVar[Capabilities] = Capabilities(strided=True)  # by staging
+    capabilities: ClassVar[Capabilities] = Capabilities(  # strided by staging
+        strided=True, self_completing=True)
     peer_type = NixlPeer
     staging_defaults = StagingConfig(below=16 << 10)
 

@@ -222,7 +222,8 @@ class ShmTransport(ServedTransport):
     copies, default 2)."""
 
     name = "shm"
-    capabilities = Capabilities(strided=True, cross_host=False, needs_allocate=True)
+    capabilities = Capabilities(strided=True, cross_host=False, needs_allocate=True,
+                                 self_completing=True)
     peer_type = ShmPeer
 
     def __init__(self, *, io_timeout: float = 30.0, connect_timeout: float = 5.0,

@@ -36,7 +36,7 @@ class TcpTransport(ServedTransport):
     """Thread-safe (see the base contract). Peers are closed with the transport."""
 
     name = "tcp"
-    capabilities = Capabilities(strided=True)
+    capabilities = Capabilities(strided=True, self_completing=True)
     peer_type = TcpPeer
 
     def __init__(self, *, host: str = "127.0.0.1", port: int = 0, connections: int = 2,

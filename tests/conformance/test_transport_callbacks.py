@@ -51,6 +51,8 @@ def test_callback_fires_once_on_done_without_waiting(pair: Pair) -> None:
         assert np.array_equal(d, exp), "the callback ran before the bytes landed"
     h.release()  # a final handle: releasing must not call back again
     assert len(rec.calls) == 1
+    assert pair.sender.capabilities.self_completing, \
+        "completes its handles itself (above) but its capabilities do not say so"
 
 
 def test_callback_added_after_completion_runs_now_in_this_thread(pair: Pair) -> None:
