@@ -41,6 +41,7 @@ from kvhandoff.demo_worker import (
     prefill_main,
     prompt_plan,
 )
+from kvhandoff.layout_demo import human_size
 
 DEFAULT_MODEL = "qwen3_next"
 START_TIMEOUT_S = 300.0
@@ -238,7 +239,7 @@ def header(opts: Options) -> str:
 
 def progress_line(r: Row) -> str:
     return (f"  request {r.rid} ({r.kind}, {r.prompt_tokens} tokens): "
-            f"{_size(r.nbytes)} in {r.transfer_ms:.1f} ms, "
+            f"{human_size(r.nbytes)} in {r.transfer_ms:.1f} ms, "
             + ("tokens equal ✓" if r.ok else f"MISMATCH ✗ {_why(r)}"))
 
 
@@ -255,8 +256,8 @@ def render(rows: list[Row], wall_s: float, leaks: dict[str, int] | None = None) 
         pages = f"{r.pages}" + (f" ({r.cached_tokens}c)" if r.cached_tokens else "")
         lines.append(
             f"{r.rid:>3} {r.kind:<11} {r.prompt_tokens:>6} {pages:>9} "
-            + " ".join(f"{_size(r.bytes_by_component.get(c, 0)):>9}" for c in comps)
-            + f" {_size(r.nbytes):>9} {r.transfer_ms:>7.1f} {r.gbps:>6.3f}  "
+            + " ".join(f"{human_size(r.bytes_by_component.get(c, 0)):>9}" for c in comps)
+            + f" {human_size(r.nbytes):>9} {r.transfer_ms:>7.1f} {r.gbps:>6.3f}  "
             + ("✓" if r.ok else "✗"))
     bad = [r for r in rows if not r.ok]
     lines.append("(pages: KV pages on decode; Nc: tokens already in decode's prefix cache; "
@@ -290,12 +291,3 @@ def write_json(path: str, opts: Options, out: Outcome) -> None:
             "requests": [asdict(r) | {"ok": r.ok, "gbps": r.gbps} for r in out.rows]}
     with open(path, "w") as f:
         json.dump(data, f, indent=2)
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
-

@@ -145,16 +145,17 @@ def render(s: Summary) -> str:
         f"{'coalesced':>9} {'plan ms':>8}",
     ]
     for r in s.pairs:
-        comps = " ".join(f"{k}={_size(v)}" for k, v in r.by_component.items())
+        comps = " ".join(f"{k}={human_size(v)}" for k, v in r.by_component.items())
         lines.append(f"{r.prefill_rank:>2}→{r.decode_rank:<2}  {comps:<50} {r.pieces:>6} "
                      f"{r.segments:>9} {r.coalesced:>9} {r.plan_ms:>8.3f}")
     verdict = (f"all {s.verified_bytes} destination bytes match the oracle ✓" if s.ok
                else f"{s.mismatched_bytes} of {s.verified_bytes} bytes WRONG ✗")
-    lines.append(f"moved {_size(sum(r.nbytes for r in s.pairs))}: {verdict}")
+    lines.append(f"moved {human_size(sum(r.nbytes for r in s.pairs))}: {verdict}")
     return "\n".join(lines)
 
 
-def _size(n: float) -> str:
+def human_size(n: float) -> str:
+    """``n`` bytes as B / KiB / MiB / GiB, for the demos' tables."""
     for unit in ("B", "KiB", "MiB"):
         if n < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
