@@ -482,11 +482,8 @@ class Receiver(RequestSide):
     # --- failure and release (under the lock) -------------------------------------------
 
     def _fail(self, error: SessionError) -> None:
-        event = Event.ABORT if isinstance(error, RequestAborted) else Event.FAIL
-        if not self._sm.fail(str(error), event=event):
+        if not self._mark_failed(error):
             return
-        self._error = error
-        log.info("%s failed: %s", self, error)
         for ep, w in self._writers.items():
             if not (w.done or w.acked):
                 self.agent._post(ep, Abort(request_id=self.request_id, rank=self.agent.rank_id,

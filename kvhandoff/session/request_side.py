@@ -5,13 +5,14 @@ failed, the error that failed it; the engine reads both the same way on either s
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import TYPE_CHECKING
 
 from kvhandoff.protocol import RequestId
-from kvhandoff.session.errors import SessionError
-from kvhandoff.session.status import StateMachine, Status
+from kvhandoff.session.errors import RequestAborted, SessionError
+from kvhandoff.session.status import Event, StateMachine, Status
 
 if TYPE_CHECKING:
     from kvhandoff.session.agent import Agent
@@ -56,3 +57,14 @@ class RequestSide:
     @property
     def reason(self) -> str | None:
         return self._sm.reason
+
+    def _mark_failed(self, error: SessionError) -> bool:
+        """Move to FAILED (an abort as ABORT) with ``error`` and log it in the subclass's
+        module logger; False when the request had already ended (the first reason
+        stays). Caller holds the request lock and does its side's clean-up after."""
+        event = Event.ABORT if isinstance(error, RequestAborted) else Event.FAIL
+        if not self._sm.fail(str(error), event=event):
+            return False
+        self._error = error
+        logging.getLogger(type(self).__module__).info("%s failed: %s", self, error)
+        return True

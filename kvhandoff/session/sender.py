@@ -493,11 +493,8 @@ class Sender(RequestSide):
     # --- failure and settling (under the lock) ---------------------------------------------
 
     def _fail(self, error: SessionError) -> None:
-        event = Event.ABORT if isinstance(error, RequestAborted) else Event.FAIL
-        if not self._sm.fail(str(error), event=event):
+        if not self._mark_failed(error):
             return
-        self._error = error
-        log.info("%s failed: %s", self, error)
         self._queued.clear()
         for t in self._targets.values():
             if not t.finished:
