@@ -132,6 +132,14 @@ class RemotePeer:
             raise TimeoutError("child did not answer")
         return np.frombuffer(self.conn.recv_bytes(), np.uint8)
 
+    def assert_holds(self, dsts: list[tuple[int, np.ndarray]], want: list[np.ndarray]) -> None:
+        """The child's buffer holds ``want[i]`` at every destination ``dsts[i]`` (the
+        pairs a :meth:`builder`'s plan targets)."""
+        got = self.buffer()
+        for i, ((ptr, _), exp) in enumerate(zip(dsts, want, strict=True)):
+            off = ptr - self.base
+            assert np.array_equal(got[off:off + len(exp)], exp), f"destination {i} differs"
+
     def kill(self) -> None:
         """Idempotent; also frees the Process object's pipes (for fd accounting)."""
         if self._closed:
