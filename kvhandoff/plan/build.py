@@ -61,6 +61,9 @@ class _UnitCache:
         self.comp, self.idx, self.notes = comp, idx, notes
         self.units: dict[tuple[str, int, int], Units] = {}
         self.items: tuple[IndexArray, IndexArray] | None = None
+        if not comp.tensors and idx.num_rows is None and not (
+                idx.src_first_row or idx.dst_first_row):
+            self.paired()  # nothing to move here, but the lists still obey the policy
 
     def paired(self) -> tuple[IndexArray, IndexArray]:
         if self.items is None:
@@ -92,8 +95,6 @@ def _component(comp: ComponentPair, idx: Indices, notes: list[str]) -> list[Tens
     would have raised alone."""
     cache = _UnitCache(comp, idx, notes)
     first_row = bool(idx.src_first_row or idx.dst_first_row)
-    if not comp.tensors and idx.num_rows is None and not first_row:
-        cache.paired()  # nothing to move here, but the lists still obey the policy
     table = comp.tables[first_row]
     units: list[Units] = []
     for kind in table.kinds:
@@ -117,9 +118,6 @@ def _component_general(
     """Tensor by tensor: validate its units, bounds-check it, emit it."""
     if cache is None:
         cache = _UnitCache(comp, idx, notes)
-        by_items = idx.num_rows is None and not idx.src_first_row and not idx.dst_first_row
-        if not comp.tensors and by_items:
-            cache.paired()  # nothing to move here, but the lists still obey the policy
     first_row = bool(idx.src_first_row or idx.dst_first_row)
     out = []
     for tp in comp.tensors:
