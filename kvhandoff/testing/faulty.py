@@ -27,14 +27,14 @@ class DelayedTcp(TcpTransport):
         super().__init__(**options)  # type: ignore[arg-type]
         self.delay = delay
 
-    def submit(self, peer: Peer, plan: Plan) -> Handle:
+    def submit(self, peer: Peer, plan: Plan, *, notice: bytes | None = None) -> Handle:
         self.check_sources(plan)
         outer = Handle(nbytes=plan.nbytes, peer=peer.name)
 
         def later() -> None:
             time.sleep(self.delay)
             try:
-                inner = super(DelayedTcp, self).submit(peer, plan)
+                inner = super(DelayedTcp, self).submit(peer, plan, notice=notice)
             except TransportError as e:
                 outer.set_failed(e)
                 return
@@ -57,16 +57,18 @@ class CorruptingTcp(TcpTransport):
         self.component = component
         self.corrupted = 0
 
-    def submit(self, peer: Peer, plan: Plan) -> Handle:
-        h = super().submit(peer, plan)
+    def submit(self, peer: Peer, plan: Plan, *, notice: bytes | None = None) -> Handle:
         target = next((e for e in plan.entries if e.component == self.component and e.nbytes),
                       None)
         if target is None:
-            return h
+            return super().submit(peer, plan, notice=notice)
+        h = super().submit(peer, plan)  # the in-band status (if any) follows the corruption
         if h.wait(30.0).value == "done":
             do = int(target.pieces[0, 1])
             addr = target.dst_ptr + int(target.dst_idx[0]) * target.dst_unit + do
             cell = ctypes.c_ubyte.from_address(addr)
             cell.value ^= 0xFF
             self.corrupted += 1
+        if notice is not None:
+            h = super().submit(peer, Plan(entries=()), notice=notice)
         return h

@@ -463,8 +463,9 @@ class EngineTransport(Transport):
 
     # --- the data path ---------------------------------------------------------------
 
-    def submit(self, peer: Peer, plan: Plan) -> Handle:
+    def submit(self, peer: Peer, plan: Plan, *, notice: bytes | None = None) -> Handle:
         self._check_open()
+        self._check_notice(notice)
         if not isinstance(peer, self.peer_type):
             raise TypeError(f"{self.name} transport cannot submit to {peer!r}")
         if peer.closed:

@@ -43,6 +43,13 @@ Contract every transport keeps (the conformance suite in ``tests/conformance`` c
 * **Completion callbacks.** ``handle.add_done_callback(fn)`` calls ``fn(handle)`` once
   when the handle becomes final, from the thread that completed it (or at once if it
   already is), so a caller can react without a thread of its own waiting.
+* **Notices** (``capabilities.notices``). ``submit(peer, plan, notice=b"...")`` hands
+  ``notice`` (at most :data:`MAX_NOTICE` bytes) to the handler the *receiving*
+  transport set with :meth:`Transport.on_notice`, on one of its threads, after every
+  byte of the plan has landed and before the sender's handle is ``DONE``; a refused or
+  failed write delivers nothing. The session layer sends a request's status this way,
+  in band, instead of over its control socket. Transports without it raise
+  ``ValueError`` for a notice.
 * **Empty plans** complete ``DONE`` at once. Zero-length registrations are accepted and
   address nothing.
 
@@ -86,6 +93,12 @@ from kvhandoff.transport.small import plan_views
 
 log = logging.getLogger("kvhandoff.transport")
 
+MAX_NOTICE = 64 << 10
+"""The largest notice ``submit`` carries (bytes)."""
+
+NoticeHandler = Callable[[bytes], None]
+"""What :meth:`Transport.on_notice` takes: called with each notice's bytes."""
+
 Registrable = Layout | Region | TensorSpec | np.ndarray
 """What ``register`` accepts (or an iterable of these)."""
 
@@ -115,7 +128,8 @@ class Capabilities:
     (shared-memory arenas), not arbitrary registered memory. ``self_completing``: the
     transport finishes every handle from its own threads (done-callbacks fire without
     anyone calling :meth:`Transport.poll` or :meth:`Transport.wait`), so a caller
-    tracking many handles need not poll them.
+    tracking many handles need not poll them. ``notices``: ``submit`` can carry a
+    notice delivered to the receiver after the plan's bytes landed (module docstring).
     """
 
     memory: frozenset[MemoryKind] = field(default=frozenset({MemoryKind.HOST}))
@@ -124,6 +138,7 @@ class Capabilities:
     cross_host: bool = True
     needs_allocate: bool = False
     self_completing: bool = False
+    notices: bool = False
 
 
 class Handle:
@@ -298,6 +313,7 @@ class Transport(abc.ABC):
         self._keepalive: list[np.ndarray] = []
         self._closed = False
         self.local = RegionTable()
+        self._notice_handler: NoticeHandler | None = None
 
     # --- discovery -----------------------------------------------------------------
 
@@ -356,8 +372,42 @@ class Transport(abc.ABC):
         :class:`ConnectError` if it cannot be reached or is not a matching transport."""
 
     @abc.abstractmethod
-    def submit(self, peer: Peer, plan: Plan) -> Handle:
-        """Start writing ``plan`` into ``peer``; returns at once. See the class contract."""
+    def submit(self, peer: Peer, plan: Plan, *, notice: bytes | None = None) -> Handle:
+        """Start writing ``plan`` into ``peer``; returns at once. ``notice``: see
+        *Notices* in the module docstring. See the class contract."""
+
+    # --- notices -------------------------------------------------------------------
+
+    def on_notice(self, handler: NoticeHandler | None) -> None:
+        """Receiving side: call ``handler(notice)`` for every notice a peer's ``submit``
+        carried here (from a transport thread, after the plan's bytes landed; keep it
+        short: it holds up that connection). ``None`` drops notices. An exception in
+        the handler is logged, never raised into the transport. ``ValueError`` when the
+        transport has no ``notices`` capability."""
+        if not self.capabilities.notices:
+            raise ValueError(f"{self.name} transport does not deliver notices")
+        self._notice_handler = handler
+
+    def _check_notice(self, notice: bytes | None) -> None:
+        """``ValueError`` unless ``notice`` is None or one this transport can carry."""
+        if notice is None:
+            return
+        if not self.capabilities.notices:
+            raise ValueError(f"{self.name} transport does not deliver notices "
+                             f"(capabilities.notices is False)")
+        if len(notice) > MAX_NOTICE:
+            raise ValueError(f"a notice of {len(notice)} B exceeds the {MAX_NOTICE} B limit")
+
+    def _deliver_notice(self, notice: bytes) -> None:
+        """Hand a received notice to the handler (never raises)."""
+        handler = self._notice_handler
+        if handler is None:
+            log.debug("%s: notice of %d B dropped: no handler", self.name, len(notice))
+            return
+        try:
+            handler(notice)
+        except Exception:
+            log.exception("%s: notice handler failed", self.name)
 
     def poll(self, handle: Handle) -> TransferState:
         """The handle's state now; never blocks."""

@@ -2,7 +2,8 @@
 
 The mock the tests and same-process users rely on. ``submit`` validates both sides,
 then copies with numpy strided views (one fancy-indexed assignment per piece) before
-it returns, so every handle it returns is already final. It keeps the full contract:
+it returns, so every handle it returns is already final (a notice is handed to the
+peer's handler on the submitting thread, after the copy). It keeps the full contract:
 destinations outside the peer's registered memory refuse the whole submit before
 anything is written, and a peer that was closed fails the handle with ``PeerLost``.
 """
@@ -52,7 +53,7 @@ class MemoryTransport(Transport):
 
     name = "memory"
     capabilities = Capabilities(strided=True, cross_process=False, cross_host=False,
-                                 self_completing=True)
+                                 self_completing=True, notices=True)
 
     def __init__(self) -> None:
         super().__init__()
@@ -82,8 +83,9 @@ class MemoryTransport(Transport):
             raise ConnectError(f"no open memory transport {token} in this process")
         return MemoryPeer(peer_endpoint, target)
 
-    def submit(self, peer: Peer, plan: Plan) -> Handle:
+    def submit(self, peer: Peer, plan: Plan, *, notice: bytes | None = None) -> Handle:
         self._check_open()
+        self._check_notice(notice)
         if not isinstance(peer, MemoryPeer):
             raise TypeError(f"memory transport cannot submit to {peer!r}")
         if peer.closed:
@@ -102,6 +104,8 @@ class MemoryTransport(Transport):
         src = self.local
         for e in plan.entries:
             copy_entry(e, src, dst)
+        if notice is not None:
+            target._deliver_notice(notice)
         handle.set_done()
         return handle
 

@@ -36,7 +36,7 @@ class TcpTransport(ServedTransport):
     """Thread-safe (see the base contract). Peers are closed with the transport."""
 
     name = "tcp"
-    capabilities = Capabilities(strided=True, self_completing=True)
+    capabilities = Capabilities(strided=True, self_completing=True, notices=True)
     peer_type = TcpPeer
 
     def __init__(self, *, host: str = "127.0.0.1", port: int = 0, connections: int = 2,
@@ -71,23 +71,27 @@ class TcpTransport(ServedTransport):
             if server is None:
                 server = self._server = TcpServer(
                     host=self._host, port=self._port, token=self._token, table=self._table,
-                    io_timeout=self._io_timeout, bounce_bytes=4 << 20)
+                    io_timeout=self._io_timeout, bounce_bytes=4 << 20,
+                    deliver=self._deliver_notice)
             assert isinstance(server, TcpServer)
             host, port = server.host, server.port
         return json.dumps({"kind": ENDPOINT_KIND, "v": ENDPOINT_VERSION, "host": host,
                            "port": port, "token": self._token}).encode()
 
-    def submit(self, peer: Peer, plan: Plan) -> Handle:
+    def submit(self, peer: Peer, plan: Plan, *, notice: bytes | None = None) -> Handle:
         """Small plans (a tiny handoff) take the pure-Python path of :mod:`tcp_small`:
-        one frame, written by this thread when a connection is idle."""
+        one frame, written by this thread when a connection is idle. A notice rides in
+        the plan's only frame, or follows its frames once all were acknowledged."""
         self._check_open()
+        self._check_notice(notice)
         if not isinstance(peer, TcpPeer):
             raise TypeError(f"{self.name} transport cannot submit to {peer!r}")
         small = tcp_small.build(plan, self.local, self.name,
                                 min(self._frame_bytes, MAX_BYTES))
-        if small is None:
-            return super().submit(peer, plan)
-        return peer.submit_small(small)
+        if small is not None:
+            return peer.submit_small(small, notice)
+        self.check_sources(plan)
+        return peer.submit(plan, notice)
 
     def connect(self, peer_endpoint: bytes) -> TcpPeer:
         self._check_open()

@@ -15,6 +15,10 @@ on the socket's non-blocking descriptor); bytes the kernel does not take at once
 in the connection's backlog, which its sender thread writes before anything else.
 That saves a thread hand-off (tens of µs on a loaded VM) per small submit.
 
+Notices: a notice rides in the flags and description of a plan's only frame; a plan of
+several frames (spread over the connections) sends it in a frame of its own once every
+data frame was acknowledged, and its handle is DONE when that frame is.
+
 Failure: any socket error, EOF, malformed reply, or a reply that does not come within
 ``io_timeout`` of the frame being sent marks the whole peer lost: every pending
 transfer fails with PeerLost, sockets are shut down, threads exit by themselves.
@@ -45,16 +49,29 @@ from kvhandoff.transport.tcp_data import Sink
 from kvhandoff.transport.tcp_io import recv_exact, send_views, write_some
 from kvhandoff.transport.tcp_plan import Chunk, dst_records, plan_records, split
 from kvhandoff.transport.tcp_small import SmallFrame
-from kvhandoff.transport.tcp_wire import FLAG_CHECK, HEADER, Header, Kind, Status, reply_error
+from kvhandoff.transport.tcp_wire import (
+    FLAG_CHECK,
+    FLAG_NOTICE,
+    HEADER,
+    NO_RECORDS,
+    Header,
+    Kind,
+    Status,
+    join_notice,
+    reply_error,
+)
 
 
 class _Transfer:
-    """One submit: its handle and how many data frames are still unacknowledged."""
+    """One submit: its handle, how many data frames are still unacknowledged, and the
+    notice still to send once they all are (a plan of several frames)."""
 
-    def __init__(self, handle: Handle, frames: list[list[Chunk]]) -> None:
+    def __init__(self, handle: Handle, frames: list[list[Chunk]],
+                 notice: bytes | None = None) -> None:
         self.handle = handle
         self.frames = frames
         self.remaining = len(frames)
+        self.notice = notice
         self.lock = threading.Lock()
 
     def frame_acked(self) -> bool:
@@ -72,6 +89,7 @@ class _Frame:
     chunks: list[Chunk] | None  # dropped once sent
     check: bool = False  # validate the whole plan, write nothing
     views: list[memoryview] | None = None  # a small frame's source bytes (tcp_small)
+    notice: bytes | None = None  # delivered by the receiver after this frame's bytes
     seq: int = 0
     sent_at: float | None = None
 
@@ -154,18 +172,18 @@ class TcpPeer(WorkerPeer):
 
     # --- submit --------------------------------------------------------------------
 
-    def submit(self, plan: Plan) -> Handle:
+    def submit(self, plan: Plan, notice: bytes | None = None) -> Handle:
         """Queue ``plan`` (validated by the transport); returns its handle at once."""
         frames = split(plan, self._frame_bytes)
-        if not frames:
+        if not frames and notice is None:
             return Handle.completed(peer=self.name)
         transfer: _Transfer
         handle = Handle(nbytes=plan.nbytes, peer=self.name,
                         on_release=lambda h: self._forget(transfer))
-        transfer = _Transfer(handle, frames)
+        transfer = _Transfer(handle, frames, notice)
         if not self._track(transfer):
             return handle
-        if len(frames) == 1:
+        if len(frames) <= 1:
             self._queue_data(transfer)
         else:
             check = _Frame(transfer, plan_records(plan).encode(), 0, None, check=True)
@@ -173,14 +191,28 @@ class TcpPeer(WorkerPeer):
         return handle
 
     def _queue_data(self, transfer: _Transfer) -> None:
+        """Queue the data frames; a notice rides in the only one, or goes alone."""
+        if not transfer.frames:
+            self._queue_notice(transfer)
+            return
         start = next(self._rr)
         for i, chunks in enumerate(transfer.frames):
             frame = _Frame(transfer, dst_records(chunks).encode(),
                            sum(c.nbytes for c in chunks), chunks)
+            if len(transfer.frames) == 1:
+                frame.notice, transfer.notice = transfer.notice, None
             self._conns[(start + i) % len(self._conns)].queue.put(frame)
         transfer.frames = []  # the frames own their chunks now
 
-    def submit_small(self, small: SmallFrame) -> Handle:
+    def _queue_notice(self, transfer: _Transfer) -> None:
+        """Queue the transfer's notice as a frame that writes nothing: its data frames
+        (if any) were all acknowledged, so their bytes have landed."""
+        frame = _Frame(transfer, NO_RECORDS, 0, None, notice=transfer.notice)
+        transfer.notice = None
+        transfer.remaining = 1
+        self._conns[next(self._rr) % len(self._conns)].queue.put(frame)
+
+    def submit_small(self, small: SmallFrame, notice: bytes | None = None) -> Handle:
         """Send a small plan's frame (built and source-checked by ``tcp_small.build``),
         from this thread when a connection is idle."""
         transfer: _Transfer
@@ -190,7 +222,8 @@ class TcpPeer(WorkerPeer):
         transfer.frames = []
         if not self._track(transfer):
             return handle
-        frame = _Frame(transfer, small.desc, small.nbytes, None, views=small.views)
+        frame = _Frame(transfer, small.desc, small.nbytes, None, views=small.views,
+                       notice=notice)
         conn = self._conns[next(self._rr) % len(self._conns)]
         if not self._send_inline(conn, frame):
             conn.queue.put(frame)
@@ -223,8 +256,12 @@ class TcpPeer(WorkerPeer):
         frame.seq = next(conn.seq)
         conn.inflight.append(frame)
         flags = FLAG_CHECK if frame.check else 0
-        head = Header(Kind.WRITE, flags, frame.seq, len(frame.desc), frame.payload_len)
-        conn.sink.add(head.pack() + frame.desc)
+        desc = frame.desc
+        if frame.notice is not None:
+            flags |= FLAG_NOTICE
+            desc = join_notice(frame.notice, desc)
+        head = Header(Kind.WRITE, flags, frame.seq, len(desc), frame.payload_len)
+        conn.sink.add(head.pack() + desc)
         if frame.views:
             conn.sink.extend(frame.views)
         table = self._table()
@@ -277,7 +314,10 @@ class TcpPeer(WorkerPeer):
             elif frame.check:
                 self._queue_data(transfer)  # the receiver accepted the whole plan
             elif transfer.frame_acked():
-                self._finish(transfer, None)
+                if transfer.notice is not None:
+                    self._queue_notice(transfer)  # every data frame landed
+                else:
+                    self._finish(transfer, None)
 
     # --- failure and close -----------------------------------------------------------
 

@@ -5,7 +5,8 @@ One thread accepts; one thread serves each connection, frame after frame:
     HELLO  → check the token (the endpoint's secret) → REPLY OK | BAD_TOKEN (and close)
     WRITE  → decode records → check payload size → check every record against the
              registered regions → refused: drain the payload, REPLY OUT_OF_BOUNDS
-             (nothing written) → else scatter the payload → REPLY OK
+             (nothing written, no notice) → else scatter the payload → deliver the
+             frame's notice, if it carries one → REPLY OK
 
 A malformed frame gets REPLY MALFORMED and the connection is dropped; nothing that
 arrives on the wire can raise out of a serving thread (it is logged and the connection
@@ -26,16 +27,27 @@ from kvhandoff.transport.regions import RegionTable
 from kvhandoff.transport.tcp_data import receive
 from kvhandoff.transport.tcp_io import drain, recv_exact, recv_header, recv_views
 from kvhandoff.transport.tcp_small import dst_views
-from kvhandoff.transport.tcp_wire import FLAG_CHECK, HEADER, Header, Kind, Records, Status
+from kvhandoff.transport.tcp_wire import (
+    FLAG_CHECK,
+    FLAG_NOTICE,
+    HEADER,
+    Header,
+    Kind,
+    Records,
+    Status,
+    split_notice,
+)
 
 
 class TcpServer(ThreadedServer):
     """Listens on ``host:port`` (0 = any free port). Thread-safe ``close`` (idempotent)."""
 
     def __init__(self, *, host: str, port: int, token: str, table: Callable[[], RegionTable],
-                 io_timeout: float, bounce_bytes: int) -> None:
+                 io_timeout: float, bounce_bytes: int,
+                 deliver: Callable[[bytes], None]) -> None:
         self.token = token.encode()
         self.table = table
+        self.deliver = deliver  # a notice, once its frame's bytes landed (never raises)
         self._io_timeout = io_timeout
         self.bounce_bytes = bounce_bytes
         listener = socket.create_server((host, port), backlog=64)
@@ -92,8 +104,14 @@ class _Connection:
 
     def write(self, h: Header, desc: bytearray) -> None:
         check_only = bool(h.code & FLAG_CHECK)
+        notice: bytes | None = None
         try:
-            records = Records.decode(desc)
+            table_bytes: bytearray | memoryview = desc
+            if h.code & FLAG_NOTICE:
+                if check_only:
+                    raise ProtocolError("a CHECK frame cannot carry a notice")
+                notice, table_bytes = split_notice(desc)
+            records = Records.decode(table_bytes)
             want = 0 if check_only else records.nbytes
             if h.payload_len != want:
                 raise ProtocolError(f"payload of {h.payload_len} B, records describe {want} B")
@@ -115,4 +133,6 @@ class _Connection:
             recv_views(self.sock, small)
         else:
             receive(self.sock, table, records, self.bounce)
+        if notice is not None:
+            self.server.deliver(notice)
         self.reply(h.seq, Status.OK)

@@ -5,7 +5,10 @@ payload bytes::
 
     header  <4s H H I Q Q Q>  magic b"KVHT", version, kind, code, seq, desc_len, payload_len
 
-``code`` is the flags of a request (``FLAG_CHECK``) and the :class:`Status` of a reply.
+``code`` is the flags of a request (``FLAG_CHECK``, ``FLAG_NOTICE``) and the
+:class:`Status` of a reply. With ``FLAG_NOTICE`` the description starts with a notice
+(``<I n>`` then ``n`` bytes) that the receiver hands to its notice handler once the
+frame's payload has landed, before it replies.
 A WRITE's description is a record table, the destination side of factored pieces::
 
     <q n>  then n × <q ptr, unit, off, length, count, stride, n_idx>  then Σ n_idx × <q idx>
@@ -41,6 +44,10 @@ MAGIC = b"KVHT"
 VERSION = 1
 HEADER = struct.Struct("<4sHHIQQQ")
 FLAG_CHECK = 1  # validate the records, expect no payload, write nothing
+FLAG_NOTICE = 2  # the description starts with a notice (see the module docstring)
+_NOTICE_LEN = struct.Struct("<I")
+NO_RECORDS = struct.pack("<q", 0)
+"""The record table of a frame that writes nothing (a notice on its own)."""
 
 MAX_DESC = 64 << 20  # larger descriptions or payloads are malformed: they bound what
 MAX_PAYLOAD = 1 << 32  # a hostile frame can make a receiver allocate or wait for
@@ -76,6 +83,23 @@ def reply_error(status: int, message: str, peer: str) -> TransportError:
     if status == Status.INTERNAL:
         return TransferFailed(f"{peer} failed internally: {message}")
     return RemoteRefused(f"{peer} answered status {status}: {message}")
+
+
+def join_notice(notice: bytes, desc: bytes) -> bytes:
+    """A ``FLAG_NOTICE`` description: ``notice``, then the record table ``desc``."""
+    return _NOTICE_LEN.pack(len(notice)) + notice + desc
+
+
+def split_notice(desc: bytearray) -> tuple[bytes, memoryview]:
+    """``(notice, record table)`` of a ``FLAG_NOTICE`` description; ProtocolError if
+    it does not hold one."""
+    if len(desc) < _NOTICE_LEN.size:
+        raise ProtocolError(f"a notice frame's description of {len(desc)} B has no length")
+    (n,) = _NOTICE_LEN.unpack_from(desc)
+    end = _NOTICE_LEN.size + n
+    if end > len(desc):
+        raise ProtocolError(f"notice of {n} B does not fit a {len(desc)} B description")
+    return bytes(desc[_NOTICE_LEN.size:end]), memoryview(desc)[end:]
 
 
 class Header(NamedTuple):

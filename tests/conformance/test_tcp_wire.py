@@ -17,7 +17,15 @@ from kvhandoff.transport.regions import RegionTable, raw_view
 from kvhandoff.transport.tcp import TcpTransport
 from kvhandoff.transport.tcp_data import Sink
 from kvhandoff.transport.tcp_plan import split
-from kvhandoff.transport.tcp_wire import HEADER, Header, Kind, Records
+from kvhandoff.transport.tcp_wire import (
+    FLAG_CHECK,
+    FLAG_NOTICE,
+    HEADER,
+    Header,
+    Kind,
+    Records,
+    join_notice,
+)
 from kvhandoff.transport.testing import KINDS, PlanBuilder
 
 TIMEOUT = 30.0
@@ -189,6 +197,8 @@ def _hello(ep: bytes) -> bytes:
     "bad records",
     "reply kind",
     "truncated",
+    "notice overruns",
+    "notice on check",
 ])
 def test_malformed_frames_drop_the_connection_not_the_server(payload: bytes | str) -> None:
     with TcpTransport(io_timeout=2.0) as r, TcpTransport() as s:
@@ -197,6 +207,9 @@ def test_malformed_frames_drop_the_connection_not_the_server(payload: bytes | st
         threads0 = thread_count()
         good = Records.build([(int(dst.ctypes.data), 4096, 0, 4096, 1, 4096)],
                              [np.array([1])]).encode()
+        noticed = join_notice(b"n", good)
+        notices: list[bytes] = []
+        r.on_notice(notices.append)
         frames = {
             "bad token": Header(Kind.HELLO, 0, 0, 3, 0).pack() + b"abc",
             "write before hello": Header(Kind.WRITE, 0, 1, len(good), 4096).pack() + good,
@@ -205,6 +218,11 @@ def test_malformed_frames_drop_the_connection_not_the_server(payload: bytes | st
             "reply kind": _hello(ep) + Header(Kind.REPLY, 0, 1, 0, 0).pack(),
             "truncated": _hello(ep) + Header(Kind.WRITE, 0, 1, len(good), 4096).pack() + good
             + b"\0" * 100,
+            "notice overruns": _hello(ep) + Header(Kind.WRITE, FLAG_NOTICE, 1, 4 + len(good),
+                                                   4096).pack()
+            + struct.pack("<I", 1000) + good,
+            "notice on check": _hello(ep) + Header(Kind.WRITE, FLAG_NOTICE | FLAG_CHECK, 1,
+                                                   len(noticed), 0).pack() + noticed,
         }
         raw = frames.get(payload, payload) if isinstance(payload, str) else payload
         assert isinstance(raw, bytes)
@@ -217,6 +235,7 @@ def test_malformed_frames_drop_the_connection_not_the_server(payload: bytes | st
         if answer:
             assert answer.startswith(b"KVHT")
         assert not dst.any() or payload == "truncated"
+        assert not notices, "a malformed frame's notice was delivered"
         # the server still serves a well-behaved client
         src = np.full(4096, 7, np.uint8)
         s.register(src)
