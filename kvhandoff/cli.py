@@ -6,6 +6,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from kvhandoff.session.config import add_timeout_arguments
+
 BENCHMARKS = ["session", "transport"]
 
 
@@ -40,6 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--tokens", type=int, default=4096,
                       help="--layout-only: prompt tokens of the request")
     demo.add_argument("--page-size", type=int, default=64, help="--layout-only: page size")
+    add_timeout_arguments(demo)  # --bootstrap-timeout …: both workers' SessionConfig
 
     boot = sub.add_parser("bootstrap", help="run the bootstrap (rendezvous) server")
     boot.add_argument("--host", default="0.0.0.0", help="address to bind (default 0.0.0.0)")

@@ -26,7 +26,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 
 from kvhandoff.demo_worker import (
@@ -105,6 +105,7 @@ class Options:
     max_new_tokens: int = 16
     chunk: int = 16
     corrupt: str | None = None
+    session: dict[str, float] = field(default_factory=dict)  # SessionConfig overrides (flags)
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -116,9 +117,18 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.list_models:
         print(list_models())
         return 0
+    from kvhandoff.session.config import SessionConfig, timeout_overrides
+
+    session = timeout_overrides(args)
+    try:  # the workers inherit this environment: refuse a bad mix here, before starting them
+        SessionConfig.from_env(**session)
+    except ValueError as e:
+        print(f"demo: {e}", file=sys.stderr)
+        return 2
     opts = Options(model=args.model or DEFAULT_MODEL, prefill_tp=args.prefill_tp,
                    decode_tp=args.decode_tp, transport=args.transport, requests=args.requests,
-                   max_new_tokens=args.max_new_tokens, chunk=args.chunk, corrupt=args.corrupt)
+                   max_new_tokens=args.max_new_tokens, chunk=args.chunk, corrupt=args.corrupt,
+                   session=session)
     t0 = time.perf_counter()
     print(header(opts), flush=True)
     try:
@@ -149,7 +159,8 @@ def run(opts: Options, progress: Callable[[Row], None] | None = None) -> Outcome
     with BootstrapServer() as srv:
         spec = WorkerSpec(model=opts.model, tp=opts.prefill_tp, chunk=opts.chunk,
                           bootstrap_url=srv.url, transport=opts.transport,
-                          requests=opts.requests, max_new_tokens=opts.max_new_tokens)
+                          requests=opts.requests, max_new_tokens=opts.max_new_tokens,
+                          session=dict(opts.session))
         d_spec = WorkerSpec(**(asdict(spec) | {"tp": opts.decode_tp, "corrupt": opts.corrupt}))
         with _worker(prefill_main, spec) as (pre, ready), _worker(decode_main, d_spec) as (
                 dec, _):
@@ -234,7 +245,8 @@ def header(opts: Options) -> str:
     return (f"kvhandoff demo — {opts.model}: prefill TP {opts.prefill_tp} → decode TP "
             f"{opts.decode_tp} over {opts.transport}, {opts.requests} requests, "
             f"chunk {opts.chunk}, {opts.max_new_tokens} new tokens each"
-            + (f", corrupting {opts.corrupt!r}" if opts.corrupt else ""))
+            + (f", corrupting {opts.corrupt!r}" if opts.corrupt else "")
+            + ("".join(f", {k} {v:g} s" for k, v in opts.session.items())))
 
 
 def progress_line(r: Row) -> str:

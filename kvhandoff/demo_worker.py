@@ -14,11 +14,14 @@ SWA page and slot must be free again (decode drops its prefix cache first).
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
+
+from kvhandoff.session.config import SessionConfig, env_of
 
 if TYPE_CHECKING:  # torch/transformers load in the workers only
     from kvhandoff.engine.decode import DecodeInstance, Ticket
@@ -45,6 +48,17 @@ class WorkerSpec:
     max_new_tokens: int = 16
     prefix_cache: bool = True
     corrupt: str | None = None  # decode only: flip one received byte of this component
+    session: dict[str, float] = field(default_factory=dict)  # SessionConfig overrides
+
+
+def session_config(spec: WorkerSpec) -> SessionConfig:
+    """The worker's session settings: ``spec.session`` (the demo's flags) over the
+    ``KVHANDOFF_*`` environment over the defaults. The overrides are also put into this
+    process's environment, since the links build their agents without an explicit config
+    (each agent reads :meth:`SessionConfig.from_env`)."""
+    cfg = SessionConfig.from_env(**spec.session)  # raises, naming the problem, before any agent
+    os.environ.update(env_of(spec.session))
+    return cfg
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +223,7 @@ def prefill_main(conn: Connection, spec: WorkerSpec) -> None:
     from kvhandoff.engine.session_link import PrefillLink
 
     try:
+        session_config(spec)
         prep, pools = _prepare(spec)
         inst = PrefillInstance(prep.model, prep.arch, tp=spec.tp, pools=pools, chunk=spec.chunk)
         session = PrefillLink(inst.ranks, spec.bootstrap_url, transport=spec.transport)
@@ -244,6 +259,7 @@ def decode_main(conn: Connection, spec: WorkerSpec) -> None:
     from kvhandoff.engine.session_link import DecodeLink
 
     try:
+        session_config(spec)
         prep, pools = _prepare(spec)
         inst = DecodeInstance(prep.model, prep.arch, tp=spec.tp, pools=pools,
                               prefix_cache=spec.prefix_cache)

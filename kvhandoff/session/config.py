@@ -4,28 +4,33 @@ Every knob has a default that works on one host; each can be overridden by an
 environment variable ``KVHANDOFF_<FIELD NAME IN CAPITALS>`` (e.g.
 ``KVHANDOFF_TRANSFER_TIMEOUT=120``) through :meth:`SessionConfig.from_env`, and by
 keyword arguments, which win over the environment. Nothing else in the session layer
-reads the environment.
+reads the environment; an :class:`~kvhandoff.session.agent.Agent` built without a config
+uses ``SessionConfig.from_env()``. A command line adds the timeouts as flags
+(``--bootstrap-timeout`` …) with :func:`add_timeout_arguments` and turns what was given
+into keyword overrides with :func:`timeout_overrides` (flag > environment > default).
 
-Timeouts, in seconds, and what each bounds:
+Timeouts, in seconds (default in brackets), and what each bounds:
 
-* ``bootstrap_timeout`` — decode: from ``Receiver(...)`` until its TransferInits are sent
+* ``bootstrap_timeout`` [30] — decode: from ``Receiver(...)`` until its TransferInits are sent
   (bootstrap lookup + handshakes). Prefill: registering with the bootstrap server.
-* ``indices_timeout`` — prefill: from ``Sender(...)`` until every decode rank's
+* ``indices_timeout`` [300] — prefill: from ``Sender(...)`` until every decode rank's
   TransferInit (its destination indices) has arrived.
-* ``waiting_timeout`` — decode: from sending TransferInit until the first chunk status
+* ``waiting_timeout`` [300] — decode: from sending TransferInit until the first chunk status
   (prefill may be queueing or computing a long prompt).
-* ``transfer_timeout`` — prefill: one chunk's writes; decode: the longest gap between two
+* ``transfer_timeout`` [60] — prefill: one chunk's writes; decode: the longest gap between two
   chunk statuses, and the wait for the aux row after the last one.
-* ``release_timeout`` — decode: after a failure, how long to wait for every prefill
+* ``release_timeout`` [30] — decode: after a failure, how long to wait for every prefill
   rank's AbortAck before declaring the destination pages reusable anyway (reported).
-* ``heartbeat_interval`` / ``heartbeat_timeout`` — peers with live requests are pinged
+* ``heartbeat_interval`` [1] / ``heartbeat_timeout`` [5] — peers with live requests are pinged
   every interval; one silent for the timeout is declared lost and its requests fail.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -35,6 +40,20 @@ from typing import Any
 ENV_PREFIX = "KVHANDOFF_"
 
 _INSTANCE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+
+TIMEOUT_FIELDS = ("bootstrap_timeout", "indices_timeout", "waiting_timeout", "transfer_timeout",
+                  "release_timeout", "heartbeat_interval", "heartbeat_timeout")
+"""The knobs in seconds, each a ``--flag`` of :func:`add_timeout_arguments`."""
+
+_TIMEOUT_HELP = {
+    "bootstrap_timeout": "decode: bootstrap lookup and handshakes; prefill: registering",
+    "indices_timeout": "prefill: wait for every decode rank's destination indices",
+    "waiting_timeout": "decode: wait from sending its indices to the first chunk",
+    "transfer_timeout": "one chunk's writes; decode: longest gap between chunk statuses",
+    "release_timeout": "decode, after a failure: wait for prefill's AbortAcks",
+    "heartbeat_interval": "ping peers with live requests this often",
+    "heartbeat_timeout": "a peer silent this long is declared lost",
+}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -61,9 +80,7 @@ class SessionConfig:
 
     def __post_init__(self) -> None:
         problems = []
-        for f in ("bootstrap_timeout", "indices_timeout", "waiting_timeout",
-                  "transfer_timeout", "release_timeout", "heartbeat_interval",
-                  "heartbeat_timeout"):
+        for f in TIMEOUT_FIELDS:
             v = getattr(self, f)
             if not isinstance(v, int | float) or not v > 0:
                 problems.append(f"{f} must be a positive number of seconds, got {v!r}")
@@ -92,9 +109,11 @@ class SessionConfig:
         return min(0.05, self.heartbeat_interval / 4, self.transfer_timeout / 8)
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> SessionConfig:
+    def from_env(cls, env: Mapping[str, str] | None = None, /,
+                 **overrides: Any) -> SessionConfig:
         """Defaults, then ``KVHANDOFF_*`` variables from ``env`` (default ``os.environ``),
-        then ``overrides``. Raises ``ValueError`` naming a variable that does not parse."""
+        then ``overrides``. Raises ``ValueError`` naming a variable that does not parse,
+        or the variables used when the result is invalid (e.g. a timeout of 0)."""
         env = os.environ if env is None else env
         values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
@@ -105,8 +124,15 @@ class SessionConfig:
                 values[f.name] = _parse(f.name, f.type, raw)
             except ValueError as e:
                 raise ValueError(f"{ENV_PREFIX}{f.name.upper()}={raw!r}: {e}") from None
+        from_env = {k: env[ENV_PREFIX + k.upper()] for k in values if k not in overrides}
         values.update(overrides)
-        return cls(**values)
+        try:
+            return cls(**values)
+        except ValueError as e:
+            if not from_env:
+                raise
+            names = ", ".join(f"{ENV_PREFIX}{k.upper()}={v!r}" for k, v in from_env.items())
+            raise ValueError(f"{e} (from the environment: {names})") from None
 
     def replace(self, **changes: Any) -> SessionConfig:
         return dataclasses.replace(self, **changes)
@@ -131,3 +157,70 @@ def _parse(name: str, kind: object, raw: str) -> Any:
     if text == "float":
         return float(raw)
     return raw
+
+
+def env_name(field_name: str) -> str:
+    """The environment variable of a :class:`SessionConfig` field."""
+    return ENV_PREFIX + field_name.upper()
+
+
+def flag_name(field_name: str) -> str:
+    """A timeout field's flag: ``bootstrap_timeout`` → ``--bootstrap-timeout``."""
+    return "--" + field_name.replace("_", "-")
+
+
+def positive_seconds(text: str) -> float:
+    """An ``argparse`` type: a positive, finite number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
+
+
+def add_timeout_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``--bootstrap-timeout`` … ``--heartbeat-timeout`` (seconds, see
+    :data:`TIMEOUT_FIELDS`) to ``parser``, in their own help group. Unset flags stay
+    ``None``: the environment (``KVHANDOFF_*``), else the default, applies."""
+    defaults = SessionConfig()
+    group = parser.add_argument_group(
+        "session timeouts (seconds)",
+        f"Each flag beats its {ENV_PREFIX}* environment variable, which beats the default.")
+    for name in TIMEOUT_FIELDS:
+        group.add_argument(
+            flag_name(name), dest=name, type=positive_seconds, default=None, metavar="S",
+            help=f"{_TIMEOUT_HELP[name]} (env {env_name(name)}; "
+                 f"default {getattr(defaults, name):g})")
+
+
+def timeout_overrides(args: argparse.Namespace) -> dict[str, float]:
+    """The timeouts given on the command line, as :meth:`SessionConfig.from_env` keyword
+    overrides (flags left unset are absent, so the environment or default applies)."""
+    out: dict[str, float] = {}
+    for name in TIMEOUT_FIELDS:
+        value = getattr(args, name, None)
+        if value is not None:
+            out[name] = float(value)
+    return out
+
+
+def env_of(overrides: Mapping[str, Any]) -> dict[str, str]:
+    """``overrides`` as ``KVHANDOFF_*`` variables, for a process whose agents are built
+    without an explicit config (they read :meth:`SessionConfig.from_env`). Only plain
+    values (numbers, strings, booleans) are supported."""
+    out = {}
+    for name, value in overrides.items():
+        if name not in _FIELD_NAMES:
+            raise ValueError(f"{name!r} is not a SessionConfig field")
+        if isinstance(value, bool):
+            out[env_name(name)] = "1" if value else "0"
+        elif isinstance(value, int | float | str):
+            out[env_name(name)] = repr(value) if isinstance(value, float) else str(value)
+        else:
+            raise ValueError(f"{name}: cannot put {type(value).__name__} into the environment")
+    return out
+
+
+_FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(SessionConfig))
