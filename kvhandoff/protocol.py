@@ -11,6 +11,7 @@ Conversation (decode ranks start every exchange; prefill ranks answer)::
     decode ◀─HelloAck / HelloReject──
     decode ──TransferInit───▶ prefill      once per request, to every writing prefill rank
     decode ◀─TransferStatus──  prefill      per KV chunk; ``last`` closes the request
+                                            (in band as a StatusNotice, when both can)
     either ──Abort──────────▶ either       the request is dead; no more writes
     decode ◀─AbortAck────────  prefill      no write for that request is in flight any more
     either ──Heartbeat──────▶ either       liveness; answered with HeartbeatAck
@@ -56,7 +57,7 @@ from kvhandoff.layout import (
 from kvhandoff.plan.request import IndexArray, Indices
 from kvhandoff.state_types import StateType
 
-PROTOCOL_VERSION: Final = 2
+PROTOCOL_VERSION: Final = 3
 """Bumped on any change to a message's fields or meaning; compared at handshake.
 2: ``ErrorReply.code``."""
 
@@ -351,6 +352,7 @@ class Hello(_Msg, frozen=True):
     transport: str  # transport name, e.g. "tcp", "mooncake"
     transport_endpoint: bytes  # what the prefill transport's connect() needs
     control_endpoint: str  # where this decode rank receives control messages
+    notices: bool = False  # takes TransferStatus in band, as a StatusNotice (see there)
 
 
 class HelloAck(_Msg, frozen=True):
@@ -472,6 +474,38 @@ Message = (
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Message)
+
+
+class StatusNotice(_Record, frozen=True):
+    """prefill → decode *in band*: a successful :class:`TransferStatus` carried by the
+    transport as the notice of the chunk's own writes (transports with
+    ``capabilities.notices``, to a decode rank whose ``Hello`` said ``notices``), so it
+    lands right after the bytes, without a control-socket hop. Not a control message.
+    ``to``: the decode rank's control endpoint (several decode agents may share one
+    transport); ``sender``: the prefill rank's."""
+
+    to: str
+    sender: str
+    status: TransferStatus
+
+
+_NOTICE_DECODER = msgspec.msgpack.Decoder(StatusNotice)
+
+
+def encode_notice(notice: StatusNotice) -> bytes:
+    try:
+        return _ENCODER.encode(notice)
+    except (msgspec.EncodeError, TypeError, OverflowError, ValueError) as e:
+        raise LocalProtocolError(f"cannot encode StatusNotice: {e}") from e
+
+
+def decode_notice(buf: bytes) -> StatusNotice:
+    """A :class:`StatusNotice` from its bytes; :class:`ProtocolError` (only) if they are
+    not one."""
+    try:
+        return _NOTICE_DECODER.decode(buf)
+    except _DECODE_ERRORS as e:
+        raise ProtocolError(f"malformed status notice ({len(buf)} B): {e}") from None
 
 
 class _VersionProbe(msgspec.Struct, tag="Hello"):

@@ -21,7 +21,11 @@ Runs over loopback tcp by default (``--transport`` picks another).
   raw write, so both see the same interference); the ratio is the median of the pairs'
   ratios. Goal: ≤ 1.1×.
 
-    kvhandoff bench session [--json PATH] [--quick]
+    kvhandoff bench session [--json PATH] [--quick] [--transport NAME] [--control-status]
+
+On tcp a chunk's status reaches decode in band, with the writes
+(:mod:`kvhandoff.session.notices`); ``--control-status`` sends it over the control
+socket instead, as on transports without notices.
 
 Writes JSON (default ``benchmarks/results/session.json``) and a PNG next to it. Measures
 only; the test suite asserts correctness.
@@ -115,8 +119,9 @@ def _request(case: Case, src: Layout, dst: Layout, i: int) -> dict[str, Any]:
     return out
 
 
-def _config(instance: str, transport: str) -> SessionConfig:
+def _config(instance: str, transport: str, in_band: bool = True) -> SessionConfig:
     return SessionConfig.from_env({}, instance=instance, transport=transport,
+                                  in_band_status=in_band,
                                   transfer_timeout=TIMEOUT,
                                   waiting_timeout=TIMEOUT, indices_timeout=TIMEOUT,
                                   bootstrap_timeout=30.0, heartbeat_interval=1.0,
@@ -212,7 +217,7 @@ def _prefill_rounds(conn: Connection, agent: Agent, raw: Transport, peer: Peer,
         conn.send(_raw_once(raw, peer, plans))
 
 
-def _decode(conn: Connection, url: str, transport: str) -> None:
+def _decode(conn: Connection, url: str, transport: str, in_band: bool) -> None:
     lay: Layout | None = None
     bufs: list[np.ndarray] = []  # keeps the layout's memory alive
     for _ in range(100):
@@ -225,7 +230,7 @@ def _decode(conn: Connection, url: str, transport: str) -> None:
             continue
         _, phase, case, n, rounds = cmd
         assert lay is not None and bufs
-        with Agent.decode(lay, config=_config(f"bench-{phase}", transport)) as agent, \
+        with Agent.decode(lay, config=_config(f"bench-{phase}", transport, in_band)) as agent, \
                 create_transport(transport) as raw:  # the raw baseline's receiver
             raw.register(lay)
             conn.send(raw.endpoint())
@@ -276,12 +281,13 @@ def _decode_round(agent: Agent, url: str, case: Case, lay: Layout, n: int, r: in
 
 
 class Pair:
-    def __init__(self, url: str, transport: str) -> None:
+    def __init__(self, url: str, transport: str, in_band: bool) -> None:
         ctx = mp.get_context("spawn")
         self.p, pc = ctx.Pipe()
         self.d, dc = ctx.Pipe()
         self.procs = [ctx.Process(target=_prefill, args=(pc, url, transport), daemon=True),
-                      ctx.Process(target=_decode, args=(dc, url, transport), daemon=True)]
+                      ctx.Process(target=_decode, args=(dc, url, transport, in_band),
+                                  daemon=True)]
         for p in self.procs:
             p.start()
 
@@ -333,16 +339,17 @@ def _summary(xs: list[float]) -> dict[str, float]:
             "mean_ms": float(np.mean(xs) * 1e3) if xs else 0.0, "n": len(xs)}
 
 
-def run(quick: bool, transport: str = "tcp") -> dict[str, Any]:
+def run(quick: bool, transport: str = "tcp", in_band: bool = True) -> dict[str, Any]:
     n_lat = 200 if quick else 2000
     rounds = 5 if quick else 30
     tiny = Case("tiny", "tiny", page=16, tokens=16, pages=CONCURRENT + 2,
                 slots=CONCURRENT + 2)
     big = Case("big", "big", page=64, tokens=13_000, pages=208, slots=2)
     out: dict[str, Any] = {"machine": platform.platform(), "python": sys.version.split()[0],
-                           "cpus": os.cpu_count(), "transport": transport, "quick": quick}
+                           "cpus": os.cpu_count(), "transport": transport, "quick": quick,
+                           "in_band_status": in_band}
     with BootstrapServer() as srv:
-        pair = Pair(srv.url, transport)
+        pair = Pair(srv.url, transport, in_band)
         try:
             lat = pair.run("latency", tiny, n_lat)
             t0s, (starts, ends) = lat["prefill"], lat["decode"]
@@ -418,8 +425,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write results")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (seconds)")
     ap.add_argument("--transport", default="tcp", help="transport to run over (default tcp)")
+    ap.add_argument("--control-status", action="store_true",
+                    help="send chunk statuses over the control socket even where the "
+                         "transport could carry them in band (to measure the difference)")
     args = ap.parse_args(argv)
-    res = run(args.quick, args.transport)
+    res = run(args.quick, args.transport, in_band=not args.control_status)
     lat, thr, big = res["latency"], res["throughput"], res["big"]
     print(f"tiny handoff ({lat['bytes']} B): p50 {lat['handoff']['p50_ms']:.3f} ms, "
           f"p99 {lat['handoff']['p99_ms']:.3f} ms  [goal p50 <= 1 ms: "

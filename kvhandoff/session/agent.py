@@ -56,8 +56,10 @@ from kvhandoff.protocol import (
     Outcome,
     RankId,
     RequestId,
+    StatusNotice,
     TransferInit,
     TransferStatus,
+    encode_notice,
     layout_to_msg,
 )
 from kvhandoff.session.bootstrap_client import (
@@ -75,11 +77,12 @@ from kvhandoff.session.errors import AgentClosed, BootstrapFailed
 from kvhandoff.session.groups import PrefillGroups
 from kvhandoff.session.liveness import Liveness
 from kvhandoff.session.memory import TensorViews
+from kvhandoff.session.notices import NoticeRouter
 from kvhandoff.session.peers import DecodePeer, DecodePeers
 from kvhandoff.session.receiver import Receiver
 from kvhandoff.session.sender import Sender
 from kvhandoff.state_types import StateType
-from kvhandoff.transport.base import Handle, Transport
+from kvhandoff.transport.base import MAX_NOTICE, Handle, Transport
 from kvhandoff.transport.registry import create_transport
 
 log = logging.getLogger("kvhandoff.session.agent")
@@ -137,6 +140,8 @@ class Agent:
         self._control: ControlChannel | None = None
         self._peers: DecodePeers | None = None
         self._groups: PrefillGroups | None = None
+        self._router: NoticeRouter | None = None  # decode: in-band statuses come here
+        self._in_band = 0  # statuses that arrived in band
         try:
             self._start(transport, dp_rank, dp_size)
         except BaseException:
@@ -178,10 +183,14 @@ class Agent:
             self._peers = DecodePeers(layout=lay, transport=t, rank=self.rank_id, send=self._post)
             self._register(dp_rank, dp_size)
         else:
+            self._router = NoticeRouter.of(t) if cfg.in_band_status else None
+            if self._router is not None:
+                self._router.add(self._control.endpoint, self._on_notice)
             hello = Hello(protocol_version=PROTOCOL_VERSION, rank=self.rank_id,
                           layout=layout_to_msg(lay), transport=t.name,
                           transport_endpoint=transport_endpoint,
-                          control_endpoint=self._control.endpoint)
+                          control_endpoint=self._control.endpoint,
+                          notices=self._router is not None)
             self._groups = PrefillGroups(hello=hello, timeout=cfg.bootstrap_timeout,
                                          send=self._post, spawn=self._spawn, stop=self._stop)
 
@@ -261,6 +270,7 @@ class Agent:
         out = dict(self._control.stats) if self._control is not None else {}
         out["live_requests"] = self.live_requests
         out["decode_peers"] = len(self._peers) if self._peers is not None else 0
+        out["in_band_statuses"] = self._in_band
         return out
 
     def close(self) -> None:
@@ -272,6 +282,8 @@ class Agent:
             self._closed = True
             live: list[Sender | Receiver] = [*self._senders.values(), *self._receivers.values()]
         self._stop.set()
+        if self._router is not None and self._control is not None:
+            self._router.remove(self._control.endpoint)
         for r in live:
             r._on_agent_closed()
         if self._record is not None and self._bootstrap_url is not None:
@@ -353,6 +365,24 @@ class Agent:
         if endpoint in self._lost or self._control is None:
             return
         self._control.send(endpoint, msg)
+
+    def _notice(self, peer: DecodePeer, status: TransferStatus) -> bytes | None:
+        """``status`` as the in-band notice of its chunk's writes to ``peer``, or None
+        when it goes over the control socket (see :mod:`kvhandoff.session.notices`)."""
+        if not (peer.notices and self.transport.capabilities.notices) or self._control is None:
+            return None
+        data = encode_notice(StatusNotice(to=peer.endpoint, sender=self._control.endpoint,
+                                          status=status))
+        return data if len(data) <= MAX_NOTICE else None
+
+    def _on_notice(self, notice: StatusNotice) -> None:
+        """An in-band status (a transport thread): as if it came over the control socket
+        from ``notice.sender``."""
+        with self._lock:
+            self._in_band += 1
+            r = self._receivers.get(notice.status.request_id)
+        if r is not None:
+            r._on_status(notice.sender, notice.status)
 
     def _track(self, handle: Handle, callback: Callback) -> None:
         assert self._completions is not None

@@ -75,6 +75,7 @@ class SessionConfig:
     heartbeat_timeout: float = 5.0
     register_retries: int = 5  # prefill: bootstrap registration attempts after the first
     checksum: bool = False  # decode: ask prefill for per-component checksums and verify them
+    in_band_status: bool = True  # decode: take chunk statuses in band when the transport can
     max_pending_inits: int = 4096  # prefill: TransferInits buffered before their Sender exists
     workers: int = 4  # threads for blocking jobs (lookups, handshakes, checksum checks)
 

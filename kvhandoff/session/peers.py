@@ -48,6 +48,7 @@ class DecodePeer:
     layout: Layout
     transport_peer: Peer
     writes: bool
+    notices: bool = False  # takes statuses in band (its Hello said so)
 
 
 class DecodePeers:
@@ -112,7 +113,7 @@ class DecodePeers:
         # answer_hello decoded the layout already; decoding again keeps it a pure function
         return DecodePeer(endpoint=hello.control_endpoint, rank=hello.rank,
                           layout=layout_from_msg(hello.layout), transport_peer=tpeer,
-                          writes=ack.writes)
+                          writes=ack.writes, notices=hello.notices)
 
     def _store(self, peer: DecodePeer) -> DecodePeer | None:
         with self._lock:

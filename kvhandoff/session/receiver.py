@@ -39,7 +39,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvhandoff.errors import HandoffError
@@ -108,10 +108,29 @@ class _Writer:
     endpoint: str
     rank: RankId
     layout: Layout | None
-    statuses: int = 0
-    done: bool = False  # reported its last chunk: nothing of ours in flight any more
+    chunks: set[int] = field(default_factory=set)  # chunks it reported written
+    last: int | None = None  # the chunk number its last status named
+    done: bool = False  # every chunk up to its last reported: nothing of ours in flight
     acked: bool = False  # confirmed no write in flight after a failure
     verifying: int = 0  # checksum checks still running
+
+    def count(self, chunk: int, last: bool) -> str | None:
+        """Record chunk ``chunk`` as written; a sentence if that cannot be. Statuses
+        that travel in band (:mod:`~kvhandoff.session.notices`) may overtake one another,
+        the last included: done once every chunk up to the last is in."""
+        if chunk in self.chunks:
+            return f"reported chunk {chunk} twice"
+        if last:
+            if self.last is not None:
+                return f"reported a last chunk twice ({self.last}, then {chunk})"
+            self.last = chunk
+        self.chunks.add(chunk)
+        if self.last is not None:
+            top = max(self.chunks)
+            if top > self.last:
+                return f"reported chunk {top} after its last chunk {self.last}"
+            self.done = len(self.chunks) == self.last + 1
+        return None
 
 
 class Receiver(RequestSide):
@@ -286,7 +305,11 @@ class Receiver(RequestSide):
                 self._fail(TransferFailed(f"request {self.request_id!r}: prefill {msg.rank} "
                                           f"failed (chunk {msg.chunk}): {msg.reason}"))
                 return
-            w.statuses += 1
+            problem = w.count(msg.chunk, msg.last)
+            if problem is not None:
+                self._fail(TransferFailed(f"request {self.request_id!r}: prefill {msg.rank} "
+                                          f"{problem}"))
+                return
             self._changed = time.monotonic()
             if self._init is not None and self._init.expect_checksum:
                 if msg.checksums is None or msg.indices is None:
@@ -298,13 +321,6 @@ class Receiver(RequestSide):
                 self.agent._spawn(lambda: self._verify(w, msg))
             if self._sm.state is Status.WAITING_FOR_INPUT:
                 self._sm.fire(Event.CHUNK_DONE)
-            if msg.last:
-                if w.statuses != msg.chunk + 1:
-                    self._fail(TransferFailed(
-                        f"request {self.request_id!r}: prefill {msg.rank} reported its last "
-                        f"chunk {msg.chunk} after {w.statuses} chunk statuses"))
-                    return
-                w.done = True
             self._maybe_succeed()
 
     def _on_abort(self, who: str, reason: str) -> None:
@@ -337,7 +353,7 @@ class Receiver(RequestSide):
             group = self._group
             if w is None or group is None or self._init is None or self._sm.terminal:
                 return
-            if w.statuses or self._rehandshakes >= _MAX_REHANDSHAKES:
+            if w.chunks or self._rehandshakes >= _MAX_REHANDSHAKES:
                 again = f" (after {self._rehandshakes} new handshake(s))" \
                     if self._rehandshakes else ""
                 self._on_rejected(endpoint, reason + again)

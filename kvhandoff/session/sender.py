@@ -24,6 +24,11 @@ abort, with :attr:`error` saying why. A decode rank that this rank does not writ
 (another rank was elected for its bytes) still sends its indices, and is reported
 success without a write.
 
+Each chunk's status goes to decode over the control socket once its writes completed,
+or, when both transports deliver notices (tcp), in band with the writes themselves
+(:mod:`kvhandoff.session.notices`): decode then hears of the chunk as soon as its bytes
+landed, one control hop earlier.
+
 After a failure, every decode rank that sent indices is told (``TransferStatus`` FAILED)
 and, once none of this request's writes is in flight any more, gets an ``AbortAck`` so it
 may reuse its pages. A write that timed out was cancelled but may still land: then no
@@ -98,7 +103,8 @@ class _Target:
     inflight: int = 0
     nbytes: int = 0
     last_chunk: int | None = None
-    held_last: TransferStatus | None = None  # the last status, until every chunk is done
+    last_done: bool = False  # the last chunk's writes completed
+    held_last: TransferStatus | None = None  # its status, sent once every chunk is done
     finished: bool = False  # its final status (success or failure) went out
 
 
@@ -429,20 +435,22 @@ class Sender(RequestSide):
                 return
 
     def _write(self, t: _Target, p: Plan, status: TransferStatus) -> bool:
+        notice = self.agent._notice(t.peer, status)  # the status rides in band, if it can
         try:
-            handle = self.agent.transport.submit(t.peer.transport_peer, p)
-        except (TransportError, HandoffError, TypeError) as e:
+            handle = self.agent.transport.submit(t.peer.transport_peer, p, notice=notice)
+        except (TransportError, HandoffError, TypeError, ValueError) as e:
             self._fail(TransferFailed(f"request {self.request_id!r} chunk {status.chunk} to "
                                       f"decode {t.peer.rank}: submit refused: {e}"))
             return False
         t.inflight += 1
         self._settle.inflight += 1
-        self.agent._track(handle, functools.partial(self._on_written, t, status))
+        self.agent._track(handle, functools.partial(self._on_written, t, status,
+                                                    notice is not None))
         return True
 
     # --- completions (completion thread) ---------------------------------------------------
 
-    def _on_written(self, t: _Target, status: TransferStatus, handle: Handle,
+    def _on_written(self, t: _Target, status: TransferStatus, in_band: bool, handle: Handle,
                     err: TransportError | None, timed_out: bool, blocking: bool) -> bool:
         """A write of ours ended. Called in the transport thread that completed it with
         ``blocking=False`` (declines, returning False, rather than wait for our lock: its
@@ -452,13 +460,13 @@ class Sender(RequestSide):
         if not self._lock.acquire(blocking):
             return False
         try:
-            self._written(t, status, err, timed_out)
+            self._written(t, status, in_band, err, timed_out)
         finally:
             self._lock.release()
         return True
 
-    def _written(self, t: _Target, status: TransferStatus, err: TransportError | None,
-                 timed_out: bool) -> None:
+    def _written(self, t: _Target, status: TransferStatus, in_band: bool,
+                 err: TransportError | None, timed_out: bool) -> None:
         t.inflight -= 1
         self._settle.inflight -= 1
         self._settle.poisoned |= timed_out
@@ -467,24 +475,29 @@ class Sender(RequestSide):
             self._fail(kind(f"request {self.request_id!r} chunk {status.chunk} to decode "
                             f"{t.peer.rank} ({t.peer.endpoint}) failed: {err}"))
         else:
-            self._chunk_done(t, status)
+            self._chunk_done(t, status, in_band)
         self._maybe_settled()
 
-    def _chunk_done(self, t: _Target, status: TransferStatus) -> None:
+    def _chunk_done(self, t: _Target, status: TransferStatus, in_band: bool = False) -> None:
+        """A chunk's writes to ``t`` completed; ``in_band``: the transport already
+        delivered its status. Over the control socket, the last status waits until
+        every chunk is done, so decode never hears "last" before an earlier chunk."""
         if self._sm.terminal:
             return
         t.done += 1
         t.nbytes += status.nbytes
         if status.last:
-            t.held_last = status
-        else:
+            t.last_done = True
+            t.held_last = None if in_band else status
+        elif not in_band:
             self.agent._post(t.peer.endpoint, status)
         if self._sm.state is Status.WAITING_FOR_INPUT:
             self._sm.fire(Event.CHUNK_DONE)
-        if t.held_last is not None and t.done == t.submitted and not t.finished:
+        if t.last_done and t.done == t.submitted and not t.finished:
             t.finished = True
-            self.agent._post(t.peer.endpoint, t.held_last)
-            t.held_last = None
+            if t.held_last is not None:
+                self.agent._post(t.peer.endpoint, t.held_last)
+                t.held_last = None
         if self._last_given and not self._queued and all(
                 x.finished for x in self._targets.values()):
             self._sm.fire(Event.ALL_DONE)
