@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
-from typing import Self
+from typing import NamedTuple, Self
 
 from kvhandoff.layout import Layout, RowKind, TensorSpec
 from kvhandoff.protocol import (
@@ -92,6 +92,14 @@ _MAX_TOMBSTONES = 65536
 _LOST_MEMORY_S = 60.0  # messages to a peer declared lost are dropped this long
 
 
+class _Tomb(NamedTuple):
+    """A failed request, remembered for a while."""
+
+    reason: str
+    expires: float  # time.monotonic()
+    unsafe: frozenset[str]  # decode endpoints a cancelled write may still reach
+
+
 class Role(enum.StrEnum):
     PREFILL = "prefill"
     DECODE = "decode"
@@ -125,7 +133,7 @@ class Agent:
         self._receivers: dict[RequestId, Receiver] = {}
         self._inits: collections.OrderedDict[RequestId, list[tuple[str, TransferInit, float]]] = \
             collections.OrderedDict()
-        self._tombstones: collections.OrderedDict[RequestId, tuple[str, float]] = \
+        self._tombstones: collections.OrderedDict[RequestId, _Tomb] = \
             collections.OrderedDict()
         self._lost: dict[str, float] = {}
         self._seq = itertools.count(1)
@@ -331,7 +339,7 @@ class Agent:
             tomb = self._tombstones.pop(s.request_id, None)
         assert self._peers is not None
         found = [(p, m) for ep, m, _ in buffered if (p := self._peers.get(ep)) is not None]
-        return found, None if tomb is None else tomb[0]
+        return found, None if tomb is None else tomb.reason
 
     def _attach_receiver(self, r: Receiver) -> None:
         with self._lock:
@@ -345,18 +353,22 @@ class Agent:
             raise AgentClosed(f"agent {self.name} is closed")
 
     def _finished(self, r: Sender | Receiver) -> None:
+        unsafe = r._unsafe_endpoints() if isinstance(r, Sender) else frozenset()
         with self._lock:
             table: dict[RequestId, Sender] | dict[RequestId, Receiver] = (
                 self._senders if isinstance(r, Sender) else self._receivers)
             if table.get(r.request_id) is r:
                 del table[r.request_id]
             if isinstance(r, Sender) and r.reason is not None:
-                self._tombstone(r.request_id, r.reason)
+                self._tombstone(r.request_id, r.reason, unsafe)
 
-    def _tombstone(self, rid: RequestId, reason: str) -> None:
+    def _tombstone(self, rid: RequestId, reason: str,
+                   unsafe: frozenset[str] = frozenset()) -> None:
         """Remember a failed request for a while, so late indices or aborts for it are
-        answered (caller holds the lock)."""
-        self._tombstones[rid] = (reason, time.monotonic() + self.config.indices_timeout)
+        answered; ``unsafe``: decode endpoints a cancelled write may still reach, never
+        told "no write in flight" (caller holds the lock)."""
+        self._tombstones[rid] = _Tomb(reason, time.monotonic() + self.config.indices_timeout,
+                                      unsafe)
         while len(self._tombstones) > _MAX_TOMBSTONES:
             self._tombstones.popitem(last=False)
 
@@ -472,8 +484,9 @@ class Agent:
         elif tomb is not None:
             self._post(peer.endpoint, TransferStatus(
                 request_id=msg.request_id, rank=self.rank_id, chunk=0, last=True,
-                outcome=Outcome.FAILED, reason=tomb[0]))
-            self._post(peer.endpoint, AbortAck(request_id=msg.request_id, rank=self.rank_id))
+                outcome=Outcome.FAILED, reason=tomb.reason))
+            if peer.endpoint not in tomb.unsafe:
+                self._post(peer.endpoint, AbortAck(request_id=msg.request_id, rank=self.rank_id))
         elif full:
             self._control.reply(origin, ErrorReply(
                 reason=f"prefill {self.rank_id} holds {self.config.max_pending_inits} requests' "
@@ -488,12 +501,17 @@ class Agent:
             return
         with self._lock:
             s = self._senders.get(msg.request_id)
-            if s is None:
+            tomb = self._tombstones.get(msg.request_id)
+            if s is None and tomb is None:
                 self._inits.pop(msg.request_id, None)
                 self._tombstone(msg.request_id, f"aborted by decode {msg.rank}: {msg.reason}")
         if s is not None:
             s._on_abort(origin.endpoint, str(msg.rank), msg.reason)
-        else:  # no Sender: nothing was ever written for it here
+        elif tomb is not None and origin.endpoint in tomb.unsafe:
+            log.info("request %r: decode %s aborted; a cancelled write to it may still land, "
+                     "so no AbortAck (it waits out its release_timeout)", msg.request_id,
+                     msg.rank)
+        else:  # no Sender, or its writes to this rank are all over
             ack = AbortAck(request_id=msg.request_id, rank=self.rank_id)
             if origin.endpoint is not None:
                 self._post(origin.endpoint, ack)
@@ -524,7 +542,7 @@ class Agent:
     def _on_tick(self, now: float) -> None:
         with self._lock:
             live: list[Sender | Receiver] = [*self._senders.values(), *self._receivers.values()]
-            for rid in [k for k, (_, t) in self._tombstones.items() if t < now]:
+            for rid in [k for k, t in self._tombstones.items() if t.expires < now]:
                 del self._tombstones[rid]
             stale = [k for k, v in self._inits.items()
                      if now - v[0][2] > self.config.indices_timeout]

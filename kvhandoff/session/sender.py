@@ -325,6 +325,11 @@ class Sender(RequestSide):
         with self._lock:
             self._fail(AgentClosed(f"request {self.request_id!r}: the prefill agent closed"))
 
+    def _unsafe_endpoints(self) -> frozenset[str]:
+        """Decode endpoints a cancelled write of ours may still reach."""
+        with self._lock:
+            return frozenset(self._targets) if self._settle.poisoned else frozenset()
+
     def _peer_endpoints(self) -> set[str]:
         with self._lock:
             if self._settle.settled:
