@@ -151,15 +151,42 @@ ENGINES = ["shm", "mooncake", "nixl"]
 
 
 def _engine_params() -> list[object]:
+    """The other transports, and tcp with statuses over the control socket instead of
+    in band (the path every transport without notices takes)."""
     from kvhandoff.transport import available_transports
     avail = available_transports()
     return [pytest.param(n, id=n, marks=[] if avail[n].ok else [
-        pytest.mark.skip(reason=f"{n}: {avail[n].reason}")]) for n in ENGINES]
+        pytest.mark.skip(reason=f"{n}: {avail[n].reason}")]) for n in ENGINES] + [
+        pytest.param("tcp-control", id="tcp-control")]
+
+
+def _on(transport: str) -> dict[str, object]:
+    if transport == "tcp-control":
+        return {"transport": "tcp", "config": {"in_band_status": False}}
+    return {"transport": transport}
+
+
+OTHER_CASES = [("qwen3_next", 2, 1, 1), ("deepseek_v4", 1, 2, 1), ("gpt_oss", 8, 2, 1),
+               ("deepseek_v32", 2, 4, 1), ("qwen3_next", 2, 1, 2)]
 
 
 @pytest.mark.parametrize("transport", _engine_params())
-@pytest.mark.parametrize(("shape", "tp", "td"), [("qwen3_next", 2, 1), ("deepseek_v4", 1, 2)],
-                         ids=["qwen3_next-tp2to1", "deepseek_v4-tp1to2"])
+@pytest.mark.parametrize(("shape", "tp", "td", "pp"), OTHER_CASES,
+                         ids=[f"{s}-tp{a}to{b}" + ("-pp2" if p > 1 else "")
+                              for s, a, b, p in OTHER_CASES])
 def test_other_transports(worker_pair: WorkerPair, bootstrap: BootstrapServer, instance: str,
-                          transport: str, shape: str, tp: int, td: int) -> None:
-    run(worker_pair, bootstrap, scenario(instance, topology(shape, tp, td), transport=transport))
+                          transport: str, shape: str, tp: int, td: int, pp: int) -> None:
+    """Every state type, GQA replication (8→2), TP fan-out (2→4), PP 2 → 1."""
+    topo = topology(shape, tp, td, prefill_pp=pp)
+    run(worker_pair, bootstrap, scenario(instance, topo, **_on(transport)))
+
+
+@pytest.mark.parametrize("transport", _engine_params())
+def test_many_concurrent_requests_on_other_transports(
+        worker_pair: WorkerPair, bootstrap: BootstrapServer, instance: str,
+        transport: str) -> None:
+    topo = topology("qwen3_next", 2, 1, num_pages=32 * 8 + 8, num_slots=34)
+    reqs = tuple(RequestPlan(rid=f"c{i}", num_tokens=9 + i % 17, chunk_pages=1 + i % 3,
+                             empty_last=i % 5 == 0, prefix_len=4 * (i % 2), block=i, seed=i)
+                 for i in range(32))
+    run(worker_pair, bootstrap, scenario(instance, topo, reqs, **_on(transport)))
