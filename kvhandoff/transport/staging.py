@@ -19,9 +19,16 @@ bytes are in place, refused writes write nothing):
 
 * **Slots.** At ``connect`` the sender dials the control server, proves the endpoint's
   token and is *leased* up to ``slots_per_peer`` slots for the life of the connection
-  (0 when the arena is exhausted: that peer then goes direct). Only the lease holder
-  commits a slot; a slot returns to the back of the free list when its connection
-  ends, so it is the last to be reused.
+  (fewer, or 0, when the arena is short: that peer then goes direct). Only the lease
+  holder commits a slot. A sender that closes with no engine write into its slots
+  possibly still running (its threads exited, every write it posted completed) says
+  BYE before closing; the receiver then returns the slots to the back of the free list
+  at once. A connection that ends any other way (EOF, error, a malformed frame, a
+  sender killed, or a close that abandoned a write) may still have a late write on its
+  way into those slots, which must not land in a frame of the next lease holder: they
+  are *quarantined* for ``quarantine`` seconds (default ``max(io_timeout, 30 s)``, see
+  :class:`StagingConfig`) and only then return to the free list, lazily, when a later
+  HELLO leases (no timer thread). A goodbye that does not arrive only delays reuse.
 * **Write safety.** A multi-frame plan's whole destination side is sent first as a
   CHECK (like tcp's); the receiver refuses it, and every COMMIT of that plan, before
   scattering anything. Each COMMIT is bounds-checked again before its scatter. The
@@ -39,11 +46,13 @@ bytes are in place, refused writes write nothing):
 The control protocol reuses the tcp transport's frame header and record tables
 (:mod:`kvhandoff.transport.tcp_wire`): HELLO(token) → REPLY OK carrying the leased
 slots as JSON; WRITE(desc = ``<q job, q slot>`` + records), with ``FLAG_CHECK`` for a
-whole-plan check (slot -1) → REPLY.
+whole-plan check (slot -1) → REPLY; BYE (nothing else in the frame, no reply), then the
+sender closes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -69,6 +78,7 @@ from kvhandoff.transport.errors import (
     ConnectError,
     PeerLost,
     ProtocolError,
+    TransportClosed,
     TransportError,
 )
 from kvhandoff.transport.regions import U8, RegionTable, plan_side_problem
@@ -89,6 +99,10 @@ log = logging.getLogger("kvhandoff.transport")
 
 _JOB = struct.Struct("<qq")  # job id, slot index (-1: a whole-plan CHECK)
 _MAX_REPLY = 4096
+_BYE = Header(Kind.BYE, 0, 0, 0, 0).pack()
+_FRAME_S = 0.25  # how long a close lets a control frame being written finish (for BYE)
+QUARANTINE_FLOOR = 30.0
+"""The least default quarantine, in seconds (see :class:`StagingConfig`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -99,7 +113,16 @@ class StagingConfig:
     segments averaging under ``below`` bytes. ``slot_bytes``: one engine write (and one
     frame); ``slots``: the receiving arena (``slots × slot_bytes`` of virtual memory,
     touched only when used); ``slots_per_peer``: slots leased to one sender, i.e. how
-    many frames it keeps in flight. ``enabled=False`` turns staging off both ways."""
+    many frames it keeps in flight. ``enabled=False`` turns staging off both ways.
+
+    ``quarantine``: seconds the slots of a sender that went away without a BYE stay out
+    of the free list (see the module docstring); None: ``max(io_timeout, 30 s)``. The
+    receiver cannot see the sender's engine, only that its control connection ended; a
+    write posted before that can still land afterwards: the sender itself waits up to
+    ``io_timeout`` for a write before giving up on it, an abandoned ``close`` leaves the
+    engine's teardown running past ``close_timeout`` (5 s by default), and engines
+    retransmit or drain a dead peer's connection for seconds. The default is a generous
+    bound on that lateness, not a proof; 0 turns the quarantine off."""
 
     enabled: bool = True
     below: int = 64 << 10
@@ -107,11 +130,19 @@ class StagingConfig:
     slot_bytes: int = 4 << 20
     slots: int = 16
     slots_per_peer: int = 4
+    quarantine: float | None = None
 
     def __post_init__(self) -> None:
         if (self.below < 1 or self.min_segments < 1 or self.slot_bytes < 4096
-                or self.slots < 1 or self.slots_per_peer < 1):
+                or self.slots < 1 or self.slots_per_peer < 1
+                or (self.quarantine is not None and not self.quarantine >= 0)):
             raise ValueError(f"invalid staging config: {self}")
+
+    def quarantine_for(self, io_timeout: float) -> float:
+        """The quarantine in seconds, with the default resolved against ``io_timeout``."""
+        if self.quarantine is not None:
+            return self.quarantine
+        return max(io_timeout, QUARANTINE_FLOOR)
 
 
 def estimate_segments(plan: Plan) -> int:
@@ -172,22 +203,49 @@ def scatter(records: Records, table: RegionTable, src: U8) -> None:
 
 class Arena:
     """``slots`` registered slots of ``slot_bytes``; leases slots to connections.
-    Thread-safe. Freed slots go to the back of the queue (reused last)."""
+    Thread-safe. Freed slots go to the back of the queue (reused last); quarantined
+    ones join it once their time has passed, checked when a lease is made (time is
+    ``time.monotonic()``; nothing runs in between)."""
 
     def __init__(self, slots: int, slot_bytes: int) -> None:
         self.slot_bytes = slot_bytes
         self.buf: U8 = np.zeros(slots * slot_bytes, np.uint8)  # pages appear when touched
         self.base = int(self.buf.ctypes.data)
         self._free: deque[int] = deque(range(slots))
+        self._held: list[tuple[float, list[int]]] = []  # (release time, slots), in order
         self._lock = threading.Lock()
 
     def lease(self, want: int) -> list[int]:
         with self._lock:
+            if self._held:
+                now = time.monotonic()
+                while self._held and self._held[0][0] <= now:
+                    self._free.extend(self._held.pop(0)[1])
             return [self._free.popleft() for _ in range(min(want, len(self._free)))]
 
     def give_back(self, slots: Iterable[int]) -> None:
+        """Slots no write can still reach: free at once."""
         with self._lock:
             self._free.extend(slots)
+
+    def quarantine(self, slots: Iterable[int], seconds: float) -> None:
+        """Slots a late engine write may still reach: free ``seconds`` from now."""
+        held = list(slots)
+        if not held:
+            return
+        with self._lock:
+            until = time.monotonic() + seconds
+            k = len(self._held)  # keep release order (periods may differ)
+            while k and self._held[k - 1][0] > until:
+                k -= 1
+            self._held.insert(k, (until, held))
+
+    @property
+    def quarantined(self) -> int:
+        """Slots held back from the free list (including any whose time has passed but
+        that no lease has released yet)."""
+        with self._lock:
+            return sum(len(s) for _, s in self._held)
 
     def slot(self, i: int) -> U8:
         return self.buf[i * self.slot_bytes:(i + 1) * self.slot_bytes]
@@ -197,9 +255,11 @@ class StagingServer(ThreadedServer):
     """The receiver's control server: leases slots, checks and scatters commits."""
 
     def __init__(self, *, host: str, token: bytes, arena: Arena, slots_per_peer: int,
-                 table: Callable[[], RegionTable], io_timeout: float) -> None:
+                 table: Callable[[], RegionTable], io_timeout: float,
+                 quarantine: float) -> None:
         self.token, self.arena, self.table = token, arena, table
         self.slots_per_peer, self.io_timeout = slots_per_peer, io_timeout
+        self.quarantine = quarantine  # seconds; see StagingConfig
         listener = socket.create_server((host, 0), backlog=64)
         self.host, self.port = listener.getsockname()[:2]
         super().__init__(listener, f"staging-{self.port}")
@@ -208,10 +268,14 @@ class StagingServer(ThreadedServer):
         conn.settimeout(self.io_timeout)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         lease: list[int] = []
+        link = _ServedLink(conn, self, lease)
         try:
-            _ServedLink(conn, self, lease).run()
+            link.run()
         finally:
-            self.arena.give_back(lease)
+            if link.said_bye:  # no write of this sender can still land in its slots
+                self.arena.give_back(lease)
+            else:
+                self.arena.quarantine(lease, self.quarantine)
 
 
 @dataclass(eq=False)
@@ -223,6 +287,7 @@ class _ServedLink:
     lease: list[int]
     refused: int = -1  # the last job refused by a CHECK or a COMMIT
     greeted: bool = False
+    said_bye: bool = False  # a well-formed BYE ended the connection
 
     def reply(self, seq: int, status: Status, message: str = "") -> None:
         body = message.encode()[:_MAX_REPLY]
@@ -246,9 +311,16 @@ class _ServedLink:
                 self.hello(h.seq, bytes(desc))
             elif h.kind is Kind.WRITE and self.greeted:
                 self.write(h, desc)
+            elif h.kind is Kind.BYE and self.greeted:
+                if h.desc_len or h.code:
+                    self.reply(h.seq, Status.MALFORMED, "a BYE frame carries nothing")
+                    raise ProtocolError("staging BYE with a description or flags")
+                self.said_bye = True
+                return
             else:
-                self.reply(h.seq, Status.MALFORMED, f"unexpected {h.kind.name} frame")
-                raise ProtocolError(f"unexpected {h.kind.name} frame")
+                msg = f"unexpected {h.kind.name} frame" + ("" if self.greeted else " before HELLO")
+                self.reply(h.seq, Status.MALFORMED, msg)
+                raise ProtocolError(msg)
 
     def hello(self, seq: int, token: bytes) -> None:
         if token != self.server.token:
@@ -357,7 +429,9 @@ class StagingLink(WorkerPeer):
     Thread-safe. One sender thread works through the staged submits in order
     (gather, engine write, COMMIT; up to one frame per leased slot in flight), one
     reader thread takes the replies. Lost (``PeerLost``) when the control connection
-    fails or a reply or engine write does not come within ``io_timeout``."""
+    fails or a reply or engine write does not come within ``io_timeout``. ``close``
+    says BYE (the receiver frees the slots at once) only when the sender thread has
+    exited and every engine write it posted completed; a lost link never does."""
 
     def __init__(self, peer: Peer, sock: socket.socket, slots: list[tuple[int, int]],
                  bufs: list[U8], pool: _Buffers, *, write: Write, wait: Wait,
@@ -378,6 +452,10 @@ class StagingLink(WorkerPeer):
         self._ids = itertools.count(1)
         self.submitted = 0  # plans staged through this link so far
         self._stuck = False  # an engine write never completed: its buffer is not reused
+        self._unsettled = 0  # engine writes posted and not seen DONE (sender thread only)
+        self._send_cond = threading.Condition()  # orders control frames against _wake
+        self._sending = False  # a control frame is being written (under _send_cond)
+        self._goodbye = False  # closed by its owner between frames: BYE may follow
         self._threads = [
             threading.Thread(target=self._guard, args=(self._send_loop,), daemon=True,
                              name="kvh-staging-send"),
@@ -427,6 +505,7 @@ class StagingLink(WorkerPeer):
                 b = free.pop()
                 n = gather(frame, self._table(), bufs[b])  # while slots come back
                 slot = self._take_slot()  # fewer frames fly than slots exist: one returns
+                self._unsettled += 1  # counted before the call: it may post, then raise
                 inner = self._write(self._peer, int(bufs[b].ctypes.data), self._slots[slot], n)
                 flying.append((frame, slot, b, inner))
                 while flying and flying[0][3].state is not TransferState.PENDING:
@@ -435,8 +514,11 @@ class StagingLink(WorkerPeer):
                 free.append(self._complete(job, *flying.popleft()))
         except BaseException:
             for _, _, _, inner in flying:  # never leave an engine write unaccounted for
-                if self._wait(inner, self._io_timeout) is TransferState.PENDING:
+                state = self._wait(inner, self._io_timeout)
+                if state is TransferState.PENDING:
                     self._stuck = True
+                elif state is TransferState.DONE:
+                    self._unsettled -= 1
                 inner.release()
             raise
 
@@ -464,6 +546,8 @@ class StagingLink(WorkerPeer):
             self._stuck = True
             raise PeerLost(f"{self.name}: an engine write into a staging slot did not "
                            f"complete within {self._io_timeout}s")
+        if state is TransferState.DONE:
+            self._unsettled -= 1  # a FAILED write may still run in the engine (a close)
         error = inner.error
         inner.release()
         if state is TransferState.FAILED:  # the slot is registered: the peer is gone
@@ -482,7 +566,16 @@ class StagingLink(WorkerPeer):
         self._seq += 1
         self._sent.append(_Sent(self._seq, job, slot))  # before sending: replies are fast
         head = Header(Kind.WRITE, FLAG_CHECK if check else 0, self._seq, len(desc), 0)
-        self._sock.sendall(head.pack() + desc)
+        with self._send_cond:  # once _wake ran, nothing more is sent (but a BYE)
+            if self._error is not None:
+                raise PeerLost(f"{self.name} is closed")
+            self._sending = True
+        try:
+            self._sock.sendall(head.pack() + desc)
+        finally:
+            with self._send_cond:
+                self._sending = False
+                self._send_cond.notify_all()
 
     # --- reader thread --------------------------------------------------------------
 
@@ -520,11 +613,22 @@ class StagingLink(WorkerPeer):
         self._fail(error)
 
     def _wake(self) -> None:
-        shut(self._sock)
+        closing = isinstance(self._error, TransportClosed)
+        with self._send_cond:  # a frame cut short would leave no room for a BYE
+            if closing:  # (its reply may have completed the last handle already)
+                self._send_cond.wait_for(lambda: not self._sending, _FRAME_S)
+            self._goodbye = closing and not self._sending
+        if self._goodbye:  # wake the reader (recv sees EOF); keep the way out open
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RD)
+        else:
+            shut(self._sock)
         self._queue.put(None)
         self._free.put(-1)
 
     def _release(self) -> None:
+        if self._goodbye and not self._unsettled and not self._threads[0].is_alive():
+            say_bye(self._sock)
         self._sock.close()
         if self._stuck or self._threads[0].is_alive():
             log.warning("%s: keeping %d staging buffers out of the pool (an engine write "
@@ -575,7 +679,8 @@ class Staging:
                 self._server = StagingServer(
                     host=self._host, token=self._token.encode(), arena=arena,
                     slots_per_peer=self.config.slots_per_peer, table=self._table,
-                    io_timeout=self._io_timeout)
+                    io_timeout=self._io_timeout,
+                    quarantine=self.config.quarantine_for(self._io_timeout))
             server = self._server
         return ((self.OPTION, json.dumps({"host": server.host, "port": server.port,
                                            "token": self._token})),)
@@ -595,11 +700,13 @@ class Staging:
         if not slots:
             log.info("%s: %s leased no staging slot; fragmented plans go direct",
                      self.name, peer.name)
+            say_bye(sock)
             sock.close()
             return None
         try:
             bufs = self._pool.lease(len(slots))
         except BaseException:
+            say_bye(sock)  # nothing was written into the slots
             sock.close()
             raise
         link = StagingLink(peer, sock, slots, bufs, self._pool, write=self._write,
@@ -664,6 +771,18 @@ class Staging:
             link.close()
         if server is not None:
             server.close()
+
+
+def say_bye(sock: socket.socket) -> None:
+    """Send BYE and end the stream (before ``sock.close()``), without ever blocking:
+    if the socket cannot take the frame now, no BYE (the receiver then quarantines)."""
+    with contextlib.suppress(OSError):
+        sock.setblocking(False)
+        if sock.send(_BYE) == len(_BYE):
+            sock.shutdown(socket.SHUT_WR)
+        for _ in range(64):  # replies left unread would make close() send a reset
+            if not sock.recv(1 << 16):
+                break
 
 
 def host_regions(table: RegionTable) -> RegionTable:

@@ -61,6 +61,7 @@ class Kind(enum.IntEnum):
     HELLO = 1  # client → server, description = the server's token (hex ascii)
     WRITE = 2  # client → server, description = records, payload = bytes
     REPLY = 3  # server → client, code = Status, description = utf-8 message
+    BYE = 4  # client → server (staging control only), no description: a clean goodbye
 
 
 class Status(enum.IntEnum):

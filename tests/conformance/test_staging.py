@@ -5,15 +5,26 @@ Checked: head-sliced and scattered plans arrive byte-exact through the staged pa
 write before scattering anything, even when the sender's own check was bypassed; a
 hostile control connection cannot scatter; plans that are not fragmented, and peers
 that get no slot, go direct; a dying receiver fails staged handles, and nothing leaks.
+A sender that closes cleanly says BYE and its slots are leased again at once; one that
+goes away otherwise (socket cut, process killed, an engine write possibly still
+running) has its slots quarantined, and peers meanwhile get fewer slots or go direct;
+a BYE out of place is refused like any malformed frame (and by tcp, which has none).
 The numpy pieces (gather, scatter, the segment estimate) are checked against the
 planner's executor.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
+import select
 import socket
+import struct
+import subprocess
+import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing import resource_tracker
 from typing import Any
@@ -32,10 +43,19 @@ from kvhandoff.transport import (
     available_transports,
 )
 from kvhandoff.transport._engine import EnginePeer
+from kvhandoff.transport.base import Handle, Peer
 from kvhandoff.transport.regions import RegionTable
-from kvhandoff.transport.staging import StagingConfig, estimate_segments, gather, scatter
+from kvhandoff.transport.staging import (
+    Arena,
+    Staging,
+    StagingConfig,
+    estimate_segments,
+    gather,
+    scatter,
+)
+from kvhandoff.transport.tcp import TcpTransport
 from kvhandoff.transport.tcp_plan import dst_records, split
-from kvhandoff.transport.tcp_wire import HEADER, Header, Kind, Records, Status
+from kvhandoff.transport.tcp_wire import FLAG_CHECK, HEADER, Header, Kind, Records, Status
 from kvhandoff.transport.testing import KINDS, PlanBuilder
 
 ENGINES = ("mooncake", "nixl")
@@ -135,7 +155,12 @@ def _cover(b: PlanBuilder) -> list[Region]:
 
 
 def _dial(endpoint: bytes) -> tuple[socket.socket, list[list[int]]]:
-    info = json.loads(json.loads(endpoint)["options"]["staging"])
+    return _dial_option(json.loads(endpoint)["options"]["staging"])
+
+
+def _dial_option(option: str) -> tuple[socket.socket, list[list[int]]]:
+    """HELLO to the staging server of an endpoint's ``staging`` option: (socket, slots)."""
+    info = json.loads(option)
     sock = socket.create_connection((info["host"], info["port"]), timeout=5)
     token = info["token"].encode()
     sock.sendall(Header(Kind.HELLO, 0, 0, len(token), 0).pack() + token)
@@ -282,6 +307,327 @@ def test_receiver_killed_mid_staged_transfer(engine: str) -> None:
         remote.kill()
     assert settle(thread_count, threads0) <= threads0
     assert settle(fd_count, fds0) <= fds0
+
+
+# --- slots after a sender leaves: BYE, or quarantine ---------------------------------------
+
+_BYE = Header(Kind.BYE, 0, 0, 0, 0).pack()
+_FOREVER = 600.0  # a quarantine no test outlives: slots held back stay held back
+
+
+def _held(slots: int, quarantine: float) -> StagingConfig:
+    """An arena of ``slots`` slots, all leased to the first sender."""
+    return StagingConfig(slot_bytes=64 << 10, slots=slots, slots_per_peer=slots,
+                         quarantine=quarantine)
+
+
+def _arena(transport: Any) -> Arena:
+    arena = transport._staging._arena
+    assert isinstance(arena, Arena)
+    return arena
+
+
+def _until(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def _lease_again(option: str, want: int, timeout: float) -> tuple[int, float]:
+    """Dial until a HELLO leases ``want`` slots or ``timeout`` passes (each try says BYE,
+    so what it got is free again at once): (slots leased last, when that reply came)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        sock, slots = _dial_option(option)
+        at = time.monotonic()
+        sock.sendall(_BYE)
+        sock.close()
+        if len(slots) >= want or at > deadline:
+            return len(slots), at
+        time.sleep(0.01)
+
+
+def _option(endpoint: bytes) -> str:
+    return str(json.loads(endpoint)["options"]["staging"])
+
+
+@pytest.mark.parametrize("engine", engines())
+@pytest.mark.parametrize("how", ["peer", "transport"])
+def test_a_clean_close_says_bye_and_frees_the_slots_at_once(engine: str, how: str) -> None:
+    """A sender that closes (its peer, or its whole transport) with no engine write in
+    flight says BYE: the next sender is leased the whole arena again at once, although
+    the receiver's quarantine would hold the slots back for minutes."""
+    with make(engine, staging=_held(3, _FOREVER)) as r:
+        s = make(engine, staging=SMALL)
+        try:
+            pair = Pair(s, r)
+            peer = deliver(pair, "head_slice_gather")  # staged: the engine wrote into slots
+            assert _link(peer).submitted == 1
+            if how == "peer":
+                peer.close()
+            else:
+                s.close()
+            got, _ = _lease_again(_option(r.endpoint()), 3, timeout=10.0)  # BYE is async
+            assert got == 3, "a clean close left the sender's slots out of the free list"
+            assert _arena(r).quarantined == 0
+        finally:
+            s.close()
+
+
+_CHILD = """
+import json, socket, sys, time
+from kvhandoff.transport.tcp_wire import HEADER, Header, Kind
+info = json.loads(sys.argv[1])
+s = socket.create_connection((info["host"], info["port"]), timeout=5)
+tok = info["token"].encode()
+s.sendall(Header(Kind.HELLO, 0, 0, len(tok), 0).pack() + tok)
+buf = b""
+while len(buf) < HEADER.size or len(buf) < HEADER.size + Header.unpack(buf[:HEADER.size]).desc_len:
+    part = s.recv(65536)
+    if not part:
+        sys.exit(1)
+    buf += part
+print(len(json.loads(buf[HEADER.size:])["slots"]), flush=True)
+time.sleep(60)
+"""
+
+
+def _vanish(option: str, end: str) -> tuple[int, float]:
+    """A sender leases slots, then goes away without BYE: (how many it held, a time
+    before it went, so before the receiver can have noticed)."""
+    if end == "killed":  # a sender process killed outright (the kernel closes its socket)
+        child = subprocess.Popen([sys.executable, "-c", _CHILD, option],
+                                 stdout=subprocess.PIPE, text=True)
+        try:
+            assert child.stdout is not None
+            ready, _, _ = select.select([child.stdout], [], [], 60)
+            assert ready, "the sender process did not dial within 60 s"
+            held = int(child.stdout.readline())
+        finally:
+            gone = time.monotonic()
+            child.kill()
+            child.wait(10)
+            if child.stdout is not None:
+                child.stdout.close()
+        return held, gone
+    sock, slots = _dial_option(option)
+    if end == "reset":  # the connection is cut: RST, not FIN
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    gone = time.monotonic()
+    sock.close()
+    return len(slots), gone
+
+
+@pytest.mark.parametrize("engine", engines())
+@pytest.mark.parametrize("end", ["closed", "reset", "killed"])
+def test_slots_of_a_sender_gone_without_bye_are_quarantined(engine: str, end: str) -> None:
+    """A sender leaves without BYE (closed, reset, killed): its slots are held back for
+    the quarantine (a sender meanwhile gets none and goes direct, byte-exact), then
+    leased again, lazily, by the next HELLO."""
+    quarantine = 1.0
+    with make(engine, staging=_held(3, quarantine)) as r, make(engine) as s:
+        pair = Pair(s, r)
+        b = pair.builder(5)
+        p = b.plan("head_slice_gather")
+        want = b.expected(p)
+        option = _option(r.endpoint())
+        held, gone = _vanish(option, end)  # the receiver starts the quarantine after gone
+        assert held == 3
+        arena = _arena(r)
+        assert _until(lambda: arena.quarantined == 3), "the slots were not quarantined"
+        sock, slots = _dial_option(option)
+        early = time.monotonic() < gone + quarantine
+        sock.close()
+        if early:
+            assert slots == [], "a quarantined slot was leased"
+        peer = pair.connect()
+        if time.monotonic() < gone + quarantine:
+            assert isinstance(peer, EnginePeer) and peer.link is None
+        h = s.submit(peer, p)
+        assert s.wait(h, TIMEOUT) is TransferState.DONE, h.error
+        for (_, got), exp in zip(b.dsts, want, strict=True):
+            assert np.array_equal(got, exp)
+        got, at = _lease_again(option, 3, timeout=quarantine + 10.0)
+        assert got == 3, "quarantined slots never came back"
+        assert at >= gone + quarantine
+        assert arena.quarantined == 0
+        assert _link(deliver(pair, "head_slice_gather", seed=6)).submitted == 1
+        pair.close()
+
+
+class _FakePeer(Peer):
+    @property
+    def closed(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+def _no_register(_region: Region) -> None:
+    pass
+
+
+def _unused(*_args: Any) -> Any:
+    raise AssertionError("the receiver made an engine call")
+
+
+def _receiver(table: RegionTable, slots: int) -> Staging:
+    """A staging receiver without an engine (the control server is all there is)."""
+    config = StagingConfig(slot_bytes=64 << 10, slots=slots, slots_per_peer=3,
+                           quarantine=_FOREVER)
+    return Staging("rx", config, register=_no_register, write=_unused,
+                   wait=_unused, table=lambda: table, host="127.0.0.1", io_timeout=2.0,
+                   connect_timeout=2.0)
+
+
+@pytest.mark.parametrize("mode", ["done", "failed", "frozen"])
+def test_the_sender_says_bye_only_when_no_engine_write_may_land(mode: str) -> None:
+    """The sender's side of the rule, with a scripted engine: when every engine write it
+    posted completed, closing says BYE (slots free at once); when one failed (as a
+    transport close fails them, with the write maybe still running) or never completed,
+    closing says nothing and the receiver quarantines the slots."""
+    b, srcs, dsts = _host_builder(21)
+    p = b.plan("pages_4k")
+    want = b.expected(p)
+    rx = _receiver(_table(dsts), slots=3)
+    posted = threading.Event()
+
+    def write(_peer: Peer, src: int, dst: int, n: int) -> Handle:
+        h = Handle(nbytes=n, peer="rx")
+        if mode == "done":
+            ctypes.memmove(dst, src, n)
+            h.set_done()
+        elif mode == "failed":
+            h.set_failed(PeerLost("scripted: the engine write failed"))
+        posted.set()
+        return h  # "frozen": never completes
+
+    tx = Staging("tx", SMALL, register=_no_register, write=write,
+                 wait=lambda h, t: h.wait(t), table=lambda: _table(srcs), host="127.0.0.1",
+                 io_timeout=0.5, connect_timeout=2.0)
+    try:
+        option = dict(rx.advertise())[Staging.OPTION]
+        arena = rx._arena
+        assert arena is not None
+        link = tx.connect({Staging.OPTION: option}, _FakePeer(b"", "rx"))
+        assert link is not None
+        h = link.submit(p)
+        assert posted.wait(5)
+        if mode == "done":
+            assert h.wait(TIMEOUT) is TransferState.DONE, h.error
+            for got, exp in zip(dsts, want, strict=True):
+                assert np.array_equal(got, exp)
+        link.close()  # "frozen": waits out io_timeout for the write, then gives up
+        assert h.state is TransferState.FAILED or mode == "done"
+        if mode == "done":
+            got, _ = _lease_again(option, 3, timeout=10.0)
+            assert got == 3 and arena.quarantined == 0
+        else:
+            assert _until(lambda: arena.quarantined == 3), "no quarantine after an unsure write"
+            assert _lease_again(option, 1, timeout=0.2)[0] == 0
+    finally:
+        tx.close()
+        rx.close()
+
+
+def _frames(data: bytes) -> list[tuple[Header, bytes]]:
+    out = []
+    while len(data) >= HEADER.size:
+        h = Header.unpack(data[:HEADER.size])
+        out.append((h, data[HEADER.size:HEADER.size + h.desc_len]))
+        data = data[HEADER.size + h.desc_len:]
+    return out
+
+
+def _answer(sock: socket.socket) -> list[tuple[Header, bytes]]:
+    """Every frame the server sends until it drops the connection (it must)."""
+    out = b""
+    while True:
+        try:
+            part = sock.recv(65536)
+        except ConnectionResetError:
+            break
+        if not part:
+            break
+        out += part
+    return _frames(out)
+
+
+def _hello_frame(option: str) -> bytes:
+    tok = json.loads(option)["token"].encode()
+    return Header(Kind.HELLO, 0, 0, len(tok), 0).pack() + tok
+
+
+@pytest.mark.parametrize("case", ["before hello", "with description", "with payload",
+                                  "with flags", "twice"])
+def test_a_bye_out_of_place_is_refused(case: str) -> None:
+    """BYE from a sender never greeted, or with anything in it: REPLY MALFORMED, the
+    connection dropped and (if slots were leased) quarantined, not freed; the server
+    goes on serving."""
+    dst = np.zeros(1 << 16, np.uint8)
+    base = int(dst.ctypes.data)
+    rx = _receiver(_table([dst]), slots=8)
+    try:
+        option = dict(rx.advertise())[Staging.OPTION]
+        arena = rx._arena
+        assert arena is not None
+        threads0 = thread_count()
+        hello = _hello_frame(option)
+        raw = {
+            "before hello": _BYE,
+            "with description": hello + Header(Kind.BYE, 0, 0, 4, 0).pack() + b"oops",
+            "with payload": hello + Header(Kind.BYE, 0, 0, 0, 8).pack() + b"\0" * 8,
+            "with flags": hello + Header(Kind.BYE, FLAG_CHECK, 0, 0, 0).pack(),
+            "twice": _BYE + _BYE,  # the first is before HELLO already
+        }[case]
+        info = json.loads(option)
+        with socket.create_connection((info["host"], info["port"]), timeout=5) as sock:
+            sock.sendall(raw)
+            frames = _answer(sock)
+        assert frames, "the server said nothing"
+        last, message = frames[-1]
+        assert last.kind is Kind.REPLY and last.code == Status.MALFORMED, (last, message)
+        greeted = raw.startswith(hello)
+        assert len(frames) == 1 + greeted
+        if greeted:
+            assert _until(lambda: arena.quarantined == 3), "a malformed BYE freed the slots"
+        else:
+            assert arena.quarantined == 0
+        sock, slots = _dial_option(option)  # still serving
+        with sock:
+            assert len(slots) == 3
+            page = Records.build([(base, 4096, 0, 4096, 1, 4096)], [np.array([1])])
+            assert _commit(sock, 1, 0, page) == Status.OK
+            sock.sendall(_BYE)
+            assert _answer(sock) == [], "BYE has no reply"
+        assert _until(lambda: arena.quarantined == 3 * greeted)  # that BYE freed its slots
+        assert settle(thread_count, threads0) <= threads0
+    finally:
+        rx.close()
+
+
+@pytest.mark.parametrize("greeted", [False, True], ids=["before_hello", "after_hello"])
+def test_tcp_refuses_a_bye_frame(greeted: bool) -> None:
+    """BYE is a staging control frame: the tcp server treats it as any unexpected kind
+    (REPLY MALFORMED, connection dropped) and goes on serving."""
+    with TcpTransport(io_timeout=2.0) as r, TcpTransport() as s:
+        r.allocate(1 << 16)
+        ep = r.endpoint()
+        e = json.loads(ep)
+        tok = e["token"].encode()
+        hello = Header(Kind.HELLO, 0, 0, len(tok), 0).pack() + tok
+        with socket.create_connection((e["host"], e["port"]), timeout=5) as sock:
+            sock.sendall((hello if greeted else b"") + _BYE)
+            frames = _answer(sock)
+        assert len(frames) == 1 + greeted
+        last, message = frames[-1]
+        assert last.kind is Kind.REPLY and last.code == Status.MALFORMED
+        assert b"BYE" in message
+        deliver(Pair(s, r), "pages_4k").close()
 
 
 # --- the numpy pieces, no engine ----------------------------------------------------------
