@@ -136,6 +136,9 @@ class Agent:
         self._tombstones: collections.OrderedDict[RequestId, _Tomb] = \
             collections.OrderedDict()
         self._lost: dict[str, float] = {}
+        # decode endpoints a write to failed, watched by heartbeat until a HeartbeatAck to
+        # a later ping (the value: the last ping seq before suspicion) or declared lost
+        self._suspects: dict[str, int] = {}
         self._seq = itertools.count(1)
         self._probes: dict[int, threading.Event] = {}
         self._liveness = Liveness(interval=self.config.heartbeat_interval,
@@ -279,6 +282,7 @@ class Agent:
         out["live_requests"] = self.live_requests
         out["decode_peers"] = len(self._peers) if self._peers is not None else 0
         out["in_band_statuses"] = self._in_band
+        out["suspect_peers"] = len(self._suspects)  # a write to them was lost; being probed
         return out
 
     def close(self) -> None:
@@ -328,8 +332,11 @@ class Agent:
 
     # --- for Sender / Receiver ---------------------------------------------------------
 
-    def _attach_sender(self, s: Sender) -> tuple[list[tuple[DecodePeer, TransferInit]],
+    def _attach_sender(self, s: Sender) -> tuple[list[tuple[DecodePeer | None, TransferInit]],
                                                  str | None]:
+        """Register ``s``; returns the indices buffered for it (with their decode peer,
+        None for one dropped since: lost, or its data connection closed) and the reason
+        it already failed, if it did."""
         with self._lock:
             self._check_open()
             if s.request_id in self._senders:
@@ -338,8 +345,8 @@ class Agent:
             buffered = self._inits.pop(s.request_id, [])
             tomb = self._tombstones.pop(s.request_id, None)
         assert self._peers is not None
-        found = [(p, m) for ep, m, _ in buffered if (p := self._peers.get(ep)) is not None]
-        return found, None if tomb is None else tomb.reason
+        return [(self._peers.get(ep), m) for ep, m, _ in buffered], \
+            None if tomb is None else tomb.reason
 
     def _attach_receiver(self, r: Receiver) -> None:
         with self._lock:
@@ -377,6 +384,14 @@ class Agent:
         if endpoint in self._lost or self._control is None:
             return
         self._control.send(endpoint, msg)
+
+    def _write_failed(self, peer: DecodePeer) -> None:
+        """A write to ``peer`` failed (any thread). Its requests fail by themselves, but
+        a dead rank must not linger once no request is left to watch it: the endpoint is
+        probed by heartbeat until it answers, or is declared lost and dropped."""
+        with self._lock:
+            if not self._closed:
+                self._suspects.setdefault(peer.endpoint, next(self._seq))
 
     def _notice(self, peer: DecodePeer, status: TransferStatus) -> bytes | None:
         """``status`` as the in-band notice of its chunk's writes to ``peer``, or None
@@ -425,6 +440,10 @@ class Agent:
             case Heartbeat():
                 self._control.reply(origin, HeartbeatAck(seq=msg.seq, sender=self.endpoint))
             case HeartbeatAck():
+                if self._suspects and origin.endpoint in self._suspects:
+                    with self._lock:  # an answer to a ping sent after the failed write
+                        if msg.seq > self._suspects.get(origin.endpoint, msg.seq):
+                            del self._suspects[origin.endpoint]
                 probe = self._probes.get(msg.seq)
                 if probe is not None:
                     probe.set()
@@ -467,8 +486,13 @@ class Agent:
             self._control.reply(origin, ErrorReply(
                 reason=f"unknown decode peer {origin} ({why}); handshake again",
                 request_id=msg.request_id, code=ErrorCode.UNKNOWN_PEER))
+            with self._lock:
+                sender = self._senders.get(msg.request_id)
+            if sender is not None and origin.endpoint is not None:
+                sender._on_init_deferred(origin.endpoint)
             return
         now = time.monotonic()
+        full = False
         with self._lock:
             sender = self._senders.get(msg.request_id)
             tomb = self._tombstones.get(msg.request_id)
@@ -477,9 +501,10 @@ class Agent:
                         msg.request_id not in self._inits:
                     full = True
                 else:
-                    full = False
                     self._inits.setdefault(msg.request_id, []).append((peer.endpoint, msg, now))
-        if sender is not None:
+        if peer.transport_peer.closed and tomb is None and not full:
+            self._spawn(lambda: self._redialed(peer, msg))  # its data connection broke
+        elif sender is not None:
             sender._on_init(peer, msg)
         elif tomb is not None:
             self._post(peer.endpoint, TransferStatus(
@@ -492,6 +517,24 @@ class Agent:
                 reason=f"prefill {self.rank_id} holds {self.config.max_pending_inits} requests' "
                        f"indices with no Sender yet (max_pending_inits); refused",
                 request_id=msg.request_id))
+
+    def _redialed(self, peer: DecodePeer, msg: TransferInit) -> None:
+        """Re-dial ``peer``'s broken data connection, then hand ``msg`` on (a worker
+        thread); if the rank cannot be reached, the request fails here, naming why."""
+        assert self._peers is not None
+        got = self._peers.redial(peer)
+        with self._lock:
+            sender = self._senders.get(msg.request_id)
+            if isinstance(got, str) and sender is None:
+                self._inits.pop(msg.request_id, None)
+                self._tombstone(msg.request_id, got)  # its Sender fails on arrival
+                return
+        if sender is None:
+            return  # buffered above, with the endpoint: the Sender finds the fresh peer
+        if isinstance(got, str):
+            sender._on_init_refused(f"request {msg.request_id!r}: {got}")
+        else:
+            sender._on_init(got, msg)
 
     def _on_abort(self, origin: Origin, msg: Abort) -> None:
         if self.role is Role.DECODE:
@@ -550,13 +593,16 @@ class Agent:
                 del self._inits[rid]
         for r in live:
             r._on_tick(now)
-        watched: set[str] = set()
+        with self._lock:
+            watched = set(self._suspects)
         for r in live:
             watched |= r._peer_endpoints()
         ping, lost = self._liveness.tick(watched, now)
         for ep in ping:
             self._post(ep, Heartbeat(seq=next(self._seq), sender=self.endpoint))
         for ep, quiet in lost:
+            with self._lock:
+                self._suspects.pop(ep, None)
             self._peer_lost(ep, f"peer {ep} silent for {quiet:.1f} s (heartbeat_timeout "
                                 f"{self.config.heartbeat_timeout:g} s)")
         for ep in [e for e, t in self._lost.items() if now - t > _LOST_MEMORY_S]:

@@ -9,13 +9,16 @@ problem, including an unreachable transport endpoint. An incompatible pair is re
 here, never mid-request.
 
 Decode ranks are keyed by their control endpoint (unique per agent process); a second
-Hello from the same endpoint replaces the first (its old transport peer is closed).
+Hello from the same endpoint replaces the first (its old transport peer is closed). A
+rank whose transport peer gave up (its data connection broke) is re-dialed when it is
+next needed (:meth:`DecodePeers.redial`), or dropped if that fails.
 
 Thread-safety: every method may be called from any thread.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable
@@ -49,6 +52,7 @@ class DecodePeer:
     transport_peer: Peer
     writes: bool
     notices: bool = False  # takes statuses in band (its Hello said so)
+    transport_endpoint: bytes = b""  # what its transport peer was dialed with
 
 
 class DecodePeers:
@@ -63,6 +67,7 @@ class DecodePeers:
         self._send = send
         self._lock = threading.Lock()
         self._peers: dict[str, DecodePeer] = {}
+        self._dialing: dict[str, threading.Lock] = {}  # one redial per rank at a time
         self._closed = False
 
     def get(self, endpoint: str | None) -> DecodePeer | None:
@@ -113,7 +118,8 @@ class DecodePeers:
         # answer_hello decoded the layout already; decoding again keeps it a pure function
         return DecodePeer(endpoint=hello.control_endpoint, rank=hello.rank,
                           layout=layout_from_msg(hello.layout), transport_peer=tpeer,
-                          writes=ack.writes, notices=hello.notices)
+                          writes=ack.writes, notices=hello.notices,
+                          transport_endpoint=hello.transport_endpoint)
 
     def _store(self, peer: DecodePeer) -> DecodePeer | None:
         with self._lock:
@@ -128,12 +134,46 @@ class DecodePeers:
         return HelloReject(protocol_version=PROTOCOL_VERSION, rank=self._rank,
                            problems=(problem,))
 
-    def drop(self, endpoint: str) -> DecodePeer | None:
-        """Forget a lost decode rank and close its transport peer (pending writes fail)."""
+    def redial(self, peer: DecodePeer) -> DecodePeer | str:
+        """A fresh transport peer for ``peer``, whose own gave up (blocking, bounded by
+        the transport's connect timeout; a worker thread): the rank's current peer if
+        someone redialed or handshook meanwhile, else a copy with a new connection; or,
+        if the rank cannot be reached, a sentence saying why (the rank is dropped)."""
         with self._lock:
-            peer = self._peers.pop(endpoint, None)
-        if peer is not None:
-            peer.transport_peer.close()
+            gate = self._dialing.setdefault(peer.endpoint, threading.Lock())
+        with gate:
+            with self._lock:
+                now = self._peers.get(peer.endpoint)
+            if now is None:
+                return f"decode {peer.rank} was dropped (lost, or the agent closed)"
+            if not now.transport_peer.closed:
+                return now
+            try:
+                tpeer = self._transport.connect(now.transport_endpoint)
+            except TransportError as e:
+                self.drop(peer.endpoint, only=now)
+                return (f"decode {peer.rank}'s data connection was lost and re-dialing its "
+                        f"{self._transport.name} endpoint failed: {e}")
+            fresh = dataclasses.replace(now, transport_peer=tpeer)
+            with self._lock:
+                if self._closed or self._peers.get(peer.endpoint) is not now:
+                    tpeer.close()
+                    current = self._peers.get(peer.endpoint)
+                    return current if current is not None else \
+                        f"decode {peer.rank} was dropped while re-dialing"
+                self._peers[peer.endpoint] = fresh
+            log.info("re-dialed decode %s's %s transport", peer.rank, self._transport.name)
+            return fresh
+
+    def drop(self, endpoint: str, only: DecodePeer | None = None) -> DecodePeer | None:
+        """Forget a lost decode rank and close its transport peer (pending writes fail);
+        with ``only``, just when that is still the rank's peer (not a newer handshake)."""
+        with self._lock:
+            peer = self._peers.get(endpoint)
+            if peer is None or (only is not None and peer is not only):
+                return None
+            del self._peers[endpoint]
+        peer.transport_peer.close()
         return peer
 
     def close(self) -> None:

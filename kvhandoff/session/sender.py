@@ -128,6 +128,7 @@ class Sender(RequestSide):
         self._deployment: tuple[str, int, int] | None = None  # decode instance, tp, pp sizes
         self._targets: dict[str, _Target] = {}
         self._queued: list[_Chunk] = []
+        self._awaiting: set[str] = set()  # decode endpoints asked to handshake again
         self._chunks = 0
         self._last_given = False
         self._settle = _Settle()
@@ -135,7 +136,12 @@ class Sender(RequestSide):
         if tombstone is not None:
             self._fail(RequestAborted(tombstone))
         for peer, msg in inits:
-            self._on_init(peer, msg)
+            if peer is None:  # buffered, then its rank was dropped: it cannot be written
+                self._fail(PeerLost(f"request {request_id!r}: decode {msg.rank} sent its "
+                                    f"indices, then was lost (or its data connection closed) "
+                                    f"before this Sender existed"))
+            else:
+                self._on_init(peer, msg)
 
     # --- the engine's calls (status, poll, wait, error, reason: RequestSide) -----------
 
@@ -278,7 +284,13 @@ class Sender(RequestSide):
                 log.warning("duplicate TransferInit for %r from %s ignored", self.request_id, r)
                 return
             self._targets[peer.endpoint] = _Target(peer, msg)
+            self._awaiting.discard(peer.endpoint)
             self._maybe_bootstrapped()
+
+    def _on_init_refused(self, reason: str) -> None:
+        """A decode rank's indices came, but the rank cannot be written (unreachable)."""
+        with self._lock:
+            self._fail(PeerLost(reason))
 
     def _answer_late(self, peer: DecodePeer, msg: TransferInit) -> None:
         """Indices for a request that already failed here: say so, and that nothing
@@ -314,12 +326,25 @@ class Sender(RequestSide):
                     f"(indices_timeout) for decode's indices; got {got} of {want} TransferInits"
                     + ("" if self._num_pages is not None else "; init() was never called")))
 
+    def _on_init_deferred(self, endpoint: str) -> None:
+        """Indices came from ``endpoint``, unknown here (dropped, or restarted): it was
+        asked to handshake again and resend them. Until it does, it is watched by
+        heartbeat, so a decode that died meanwhile fails the request, not a timeout."""
+        with self._lock:
+            if not self._sm.terminal and endpoint not in self._targets:
+                self._awaiting.add(endpoint)
+
     def _on_peer_lost(self, endpoint: str, reason: str) -> None:
         with self._lock:
+            if self._sm.terminal:
+                return
             t = self._targets.get(endpoint)
-            if t is not None and not self._sm.terminal:
+            if t is not None:
                 self._fail(PeerLost(f"request {self.request_id!r}: decode {t.peer.rank}: "
                                     f"{reason}"))
+            elif endpoint in self._awaiting:
+                self._fail(PeerLost(f"request {self.request_id!r}: decode {endpoint}, asked "
+                                    f"to handshake again and resend its indices: {reason}"))
 
     def _on_agent_closed(self) -> None:
         with self._lock:
@@ -334,7 +359,7 @@ class Sender(RequestSide):
         with self._lock:
             if self._settle.settled:
                 return set()
-            return set(self._targets)
+            return set(self._targets) | (set() if self._sm.terminal else self._awaiting)
 
     # --- bootstrapping and submission (under the lock) -------------------------------------
 
@@ -477,6 +502,7 @@ class Sender(RequestSide):
         self._settle.poisoned |= timed_out
         if err is not None:
             kind = PeerLost if isinstance(err, PeerLost) else TransferFailed
+            self.agent._write_failed(t.peer)
             self._fail(kind(f"request {self.request_id!r} chunk {status.chunk} to decode "
                             f"{t.peer.rank} ({t.peer.endpoint}) failed: {err}"))
         else:
