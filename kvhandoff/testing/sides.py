@@ -15,13 +15,21 @@ here for transports that cannot cross processes) and returns both sides' reports
 Fault knobs (``Scenario.faults``), read by the drivers:
 
 * ``prefill_delay`` / ``chunk_delay`` (s): before the first chunk / between chunks.
-* ``decode_abort`` / ``prefill_abort``: ``"bootstrapping"``, ``"waiting"`` or
-  ``"transferring"`` — abort every request on that side once it is in that state.
+* ``decode_abort`` / ``prefill_abort``: ``"bootstrapping"``, ``"waiting_for_input"`` or
+  ``"transferring"`` — abort every request on that side once it is in that state. The
+  driver records ``poll()`` right before ``abort()`` (:attr:`Outcome.aborted_in`), and
+  prefill *holds* the request there until it is terminal: it sends no chunk
+  (``bootstrapping`` / ``waiting_for_input``) or none after the first :data:`HOLD_ROUND`
+  rounds (``transferring``), so the abort always finds the named state.
+* ``decode_init_delay`` (s): decode waits this long before its first ``Receiver.init``
+  (prefill's Senders stay in ``bootstrapping`` meanwhile).
 * ``prefill_skip_last``: never send the last chunk.
 * ``prefill_exit`` / ``decode_exit``: ``"transferring"`` — the process dies (``os._exit``)
-  once a request reaches that state.
+  once a request reaches that state (for ``decode_exit`` prefill holds after
+  :data:`HOLD_ROUND` rounds, so the requests cannot finish first).
 * ``prefill_write_delay`` (s): prefill's tcp writes start this long after submit, so
-  they are in flight when a test aborts.
+  they are in flight when a test aborts (tcp only: :class:`~kvhandoff.testing.faulty.
+  DelayedTcp`; any other transport refuses it).
 * ``reuse_after_abort``: decode, after an abort, waits for ``released`` and then writes a
   marker into the request's KV pages; the verifier checks the marker survived.
 """
@@ -70,6 +78,11 @@ log = logging.getLogger("kvhandoff.testing.sides")
 
 MARKER = 0xA5
 _TERMINAL = (Status.SUCCESS, Status.FAILED)
+HOLD_ROUND = 2
+"""Chunk rounds prefill sends before holding, when a request is to be aborted (or decode
+killed) in ``transferring``: with a write delay, round 1's writes are still in flight
+when round 0's complete and the request turns ``transferring``."""
+HOLD_LIMIT = 15.0  # the longest prefill holds a request for the abort to land
 
 
 @dataclass
@@ -82,7 +95,8 @@ class Outcome:
     reason: str | None
     released: bool = True
     release_reason: str = ""
-    seconds: float = 0.0
+    seconds: float = 0.0  # from the driver's start until terminal (and settled / released)
+    aborted_in: str = ""  # poll() right before this side called abort(); "" if it did not
 
 
 @dataclass
@@ -114,6 +128,9 @@ def _transport(scn: Scenario, role: str = "") -> Transport:
     opts.update(scn.transport_options)
     delay = scn.faults.get(f"{role}_write_delay")
     if delay:  # writes that start late: in flight for a while (tcp only)
+        if scn.transport != "tcp":
+            raise ValueError(f"{role}_write_delay needs the tcp transport, not "
+                             f"{scn.transport!r}")
         from kvhandoff.testing.faulty import DelayedTcp
         return DelayedTcp(delay=float(delay), **opts)
     return create_transport(scn.transport, **opts)
@@ -146,8 +163,9 @@ class _Side:
         self.report = SideReport()
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
+        self._aborted_in: dict[tuple[str, Any], str] = {}
 
-    def _spawn(self, target: Any, *args: Any) -> None:
+    def _spawn(self, target: Any, *args: Any) -> threading.Thread:
         def run() -> None:
             try:
                 target(*args)
@@ -158,6 +176,7 @@ class _Side:
         t = threading.Thread(target=run, name=f"driver-{self.role}-{len(self._threads)}")
         self._threads.append(t)
         t.start()
+        return t
 
     def join(self, timeout: float) -> SideReport:
         deadline = time.monotonic() + timeout
@@ -166,6 +185,13 @@ class _Side:
             if t.is_alive():
                 self.report.problems.append(f"{self.role} driver {t.name} did not finish")
         self.finish()
+        # a request leaves the agent's table just after its settled / released event is
+        # set: give that bookkeeping a moment before taking the numbers
+        _wait(lambda: all(a.live_requests == 0 for a in self.agents), 2.0, 0.01)
+        # a peer a write was lost to is probed until it answers or is declared lost
+        # (and dropped): within heartbeat_timeout plus a tick
+        _wait(lambda: all(a.stats.get("suspect_peers", 0) == 0 for a in self.agents),
+              max((a.config.heartbeat_timeout for a in self.agents), default=0.0) + 2.0, 0.02)
         self.report.stats = {a.name: a.stats for a in self.agents}
         return self.report
 
@@ -176,12 +202,20 @@ class _Side:
         for a in self.agents:
             a.close()
 
+    def abort(self, rank: str, x: Sender | Receiver, state: str) -> None:
+        """Abort ``x``, recording the state it was in right before."""
+        seen = x.poll().value
+        with self._lock:  # before abort(): the driver may record the outcome right after
+            self._aborted_in[(rank, x.request_id)] = seen
+        x.abort(f"test abort in {state}")
+
     def outcome(self, rank: str, x: Sender | Receiver, t0: float) -> None:
         rel = x.released if isinstance(x, Receiver) else x.settled
         rr = x.release_reason if isinstance(x, Receiver) else ""
-        o = Outcome(rank, x.request_id, x.poll().value, x.reason, rel, rr, time.monotonic() - t0)
         with self._lock:
-            self.report.outcomes.append(o)
+            seen = self._aborted_in.get((rank, x.request_id), "")
+            self.report.outcomes.append(Outcome(rank, x.request_id, x.poll().value, x.reason,
+                                                rel, rr, time.monotonic() - t0, seen))
 
 
 class PrefillSide(_Side):
@@ -224,12 +258,16 @@ class PrefillSide(_Side):
                 from kvhandoff.testing.handoff import AUX
                 AUX.pack(row, first_token=first_token(rp.rid), first_logprob=-0.5)
             work.append((rp, s, chunks_of(rp, pages), prefill_state(req, src)))
-        if f.get("prefill_abort"):
-            self._abort_at(str(f["prefill_abort"]), [s for _, s, _, _ in work])
+        senders = [s for _, s, _, _ in work]
+        aborter = (self._abort_at(agent.name, str(f["prefill_abort"]), senders)
+                   if f.get("prefill_abort") else None)
         if f.get("prefill_delay"):
             time.sleep(float(f["prefill_delay"]))
+        hold = self._hold_round()
         depth = max((len(c) for _, _, c, _ in work), default=0)
         for k in range(depth):
+            if k == hold:
+                self._hold(agent.name, senders)
             for _, s, chunks, state in work:
                 if k >= len(chunks):
                     continue
@@ -242,18 +280,38 @@ class PrefillSide(_Side):
             if f.get("prefill_exit") == "transferring" and k == 0:
                 _wait(lambda: any(_in_state(s, "transferring") for _, s, _, _ in work), 5.0)
                 os._exit(3)
+        if aborter is not None:  # every abort recorded before the outcomes
+            aborter.join(scn.timeout)
         for rp, s, _, _ in work:
             s.wait(scn.timeout)
             s.wait_settled(scn.timeout)
             self.outcome(agent.name, s, t0)
             del rp
 
-    def _abort_at(self, state: str, senders: list[Sender]) -> None:
+    def _abort_at(self, rank: str, state: str, senders: list[Sender]) -> threading.Thread:
         def run() -> None:
             for s in senders:
                 _wait(lambda s=s: _in_state(s, state) or s.poll() in _TERMINAL, 10.0)
-                s.abort(f"test abort in {state}")
-        self._spawn(run)
+                self.abort(rank, s, state)
+        return self._spawn(run)
+
+    def _hold_round(self) -> int | None:
+        """The chunk round before which this side waits for every request to end (see
+        the module docstring), or None."""
+        f = self.scn.faults
+        planned = {f.get("decode_abort"), f.get("prefill_abort"), f.get("decode_exit")}
+        if "transferring" in planned:
+            return HOLD_ROUND
+        if planned & {"bootstrapping", "waiting_for_input"}:
+            return 0
+        return None
+
+    def _hold(self, rank: str, senders: list[Sender]) -> None:
+        if not _wait(lambda: all(s.poll() in _TERMINAL for s in senders), HOLD_LIMIT, 0.005):
+            with self._lock:
+                self.report.problems.append(
+                    f"{rank}: held {HOLD_LIMIT:g} s for the fault, requests still "
+                    f"{[s.poll().value for s in senders]}")
 
 
 class DecodeSide(_Side):
@@ -282,11 +340,13 @@ class DecodeSide(_Side):
         scn, f = self.scn, self.scn.faults
         src = _peer_layout(scn, PREFILL)
         t0 = time.monotonic()
-        work = []
+        work: list[tuple[RequestPlan, Receiver]] = []
         for rp in scn.requests:
             r = Receiver(agent, self.url, rp.rid, dp_rank=rp.dp_rank)
             if f.get("decode_abort") == "bootstrapping":
-                r.abort("test abort in bootstrapping")
+                self.abort(agent.name, r, "bootstrapping")
+            if f.get("decode_init_delay") and not work:
+                time.sleep(float(f["decode_init_delay"]))
             lists, row = decode_lists(request_of(scn, rp, src, dst), dst)
             r.init(lists, row, decode_prefix_len=rp.prefix_len)
             work.append((rp, r))
@@ -294,9 +354,13 @@ class DecodeSide(_Side):
             state = str(f["decode_abort"])
             for _, r in work:
                 _wait(lambda r=r: _in_state(r, state) or r.poll() in _TERMINAL, 10.0)
-                r.abort(f"test abort in {state}")
+                self.abort(agent.name, r, state)
         if f.get("decode_exit") == "transferring":
-            _wait(lambda: any(_in_state(r, "transferring") for _, r in work), 10.0)
+            # dies mid-transfer with every request's indices sent: a request whose indices
+            # never left can only time out on prefill (indices_timeout), a different fault
+            _wait(lambda: any(_in_state(r, "transferring") for _, r in work) and all(
+                r.poll() is not Status.BOOTSTRAPPING for _, r in work), 10.0)
+            time.sleep(0.05)  # ZeroMQ's I/O thread puts the queued indices on the wire
             os._exit(3)
         for rp, r in work:
             r.wait(scn.timeout)
@@ -331,10 +395,14 @@ class DecodeSide(_Side):
             # writes in flight at the abort land within the write delay: give any that
             # (wrongly) outlived "released" time to land before looking at the marker
             time.sleep(3 * float(self.scn.faults.get("prefill_write_delay", 0.1)) + 0.3)
+        if self.scn.faults.get("reuse_after_abort") and not any(self.marked.values()):
+            self.report.problems.append("reuse_after_abort: no aborted request's pages were "
+                                        "reused (nothing for the marker check to check)")
         for (v, layout, arena), key in zip(self.verifiers, self.done, strict=True):
             if self.scn.faults.get("reuse_after_abort"):
                 self.report.problems += self._check_marks(layout, arena, key)
-                continue
+            # a failed request's destination may hold anything (the marker included);
+            # every other byte must be as the oracle says
             self.report.problems += v.check(self.done[key], self.failed[key])
 
     def _check_marks(self, dst: Layout, arena: Arena, where: tuple[int, int]) -> list[str]:

@@ -2,10 +2,15 @@
 mid-transfer, and a dead decode peer that must not poison the others.
 
 Prefill (TP 2) and decode (TP 1) run in separate worker processes with a real bootstrap
-server and tcp. Every run ends with each surviving side's requests in the right status
-with the right reason, decode's destination pages released (and, after an abort while
-writes were in flight, reused pages not overwritten), every byte outside the failed
-requests' destinations unchanged, and no leaked thread or descriptor.
+server, over tcp and (a subset, to bound the run time) every other transport usable
+here. Every run ends with each surviving side's requests in the right status with the
+right reason, soon (within the heartbeat timeout plus a generous margin), decode's
+destination pages released (and, after an abort while writes may be in flight, reused
+pages not overwritten), every byte outside the failed requests' destinations unchanged,
+no live request left on a surviving agent (nor, on prefill, a dead decode rank), and no
+leaked thread or descriptor. Each abort is
+checked to have found its request in the state it names (the harness holds the request
+there; see :mod:`kvhandoff.testing.sides`).
 """
 
 from __future__ import annotations
@@ -18,7 +23,14 @@ import pytest
 
 from kvhandoff.session.bootstrap import BootstrapServer
 from kvhandoff.testing.handoff import RequestPlan, Scenario, Topology
-from kvhandoff.testing.sides import Outcome, RunResult, Worker, WorkerPair, run_scenario
+from kvhandoff.testing.sides import (
+    Outcome,
+    RunResult,
+    SideReport,
+    Worker,
+    WorkerPair,
+    run_scenario,
+)
 
 _names = itertools.count()
 TOPO = Topology(shape="qwen3_next", prefill_tp=2, decode_tp=1, num_pages=128, num_slots=10)
@@ -38,11 +50,12 @@ def requests(n: int = 3, tokens: int = 40, first_block: int = 0) -> tuple[Reques
 
 
 def scenario(faults: dict[str, Any], config: dict[str, Any] | None = None,
-             reqs: tuple[RequestPlan, ...] | None = None, instance: str = "") -> Scenario:
+             reqs: tuple[RequestPlan, ...] | None = None, instance: str = "",
+             transport: str = "tcp") -> Scenario:
     cfg = {"instance": instance or f"proc-{next(_names)}", "heartbeat_timeout": 1.5,
            "release_timeout": 3.0, **(config or {})}
     return Scenario(topo=TOPO, requests=reqs or requests(), config=cfg, faults=faults,
-                    timeout=30.0)
+                    timeout=30.0, transport=transport)
 
 
 def failed(outcomes: list[Outcome], *words: str) -> None:
@@ -52,63 +65,143 @@ def failed(outcomes: list[Outcome], *words: str) -> None:
         assert o.reason and any(w in o.reason for w in words), o
 
 
+MARGIN = 10.0  # seconds on top of a failure's own timeout: the machine is noisy
+QUICK_LIMIT = 20.0  # transfer_timeout in the harness (sides.config_of): never wait for it
+
+
+def quickly(outcomes: list[Outcome], scn: Scenario, *timeouts: str) -> None:
+    """Every outcome came within the named config timeouts (heartbeat_timeout when none
+    is named) plus :data:`MARGIN`: the fault was noticed, not waited out."""
+    limit = sum(float(scn.config[t]) for t in timeouts or ("heartbeat_timeout",)) + MARGIN
+    assert limit < QUICK_LIMIT
+    slow = [o for o in outcomes if o.seconds > limit]
+    assert not slow, f"slower than {limit:g} s: {slow}"
+
+
+def no_live(report: SideReport, decode_peers: int | None = None) -> None:
+    """A surviving side's agents hold no request (and, on prefill, ``decode_peers``
+    accepted decode ranks) when its drivers are done."""
+    assert report.stats, "no stats"
+    for name, st in report.stats.items():
+        assert st["live_requests"] == 0, (name, st)
+        if decode_peers is not None:
+            assert st["decode_peers"] == decode_peers, (name, st)
+
+
+def dead_peer_dropped(report: SideReport, alive: int) -> None:
+    """Prefill's agents hold only the ``alive`` decode ranks: the dead one was dropped,
+    whether prefill learnt of its death from the heartbeat or from failed writes (then
+    the rank is probed until declared lost, or dropped at once when its transport peer
+    gave up)."""
+    peers = {name: st["decode_peers"] for name, st in report.stats.items()}
+    assert all(n == alive for n in peers.values()), \
+        f"decode peers per prefill rank {peers}, want {alive}"
+
+
+def _engine_params() -> list[Any]:
+    """The other transports (as in tests/e2e), each skipped where it cannot run."""
+    from kvhandoff.transport import available_transports
+    avail = available_transports()
+    return [pytest.param(n, id=n, marks=[] if avail[n].ok else [
+        pytest.mark.skip(reason=f"{n}: {avail[n].reason}")]) for n in ENGINES]
+
+
+ENGINES = ["shm", "mooncake", "nixl"]
+TRANSPORTS = [pytest.param("tcp", id="tcp"), *_engine_params()]
+
+
+# The write delay that keeps prefill's writes in flight at an abort is a tcp wrapper
+# (kvhandoff.testing.faulty.DelayedTcp): the delayed stale-write checks run on tcp only.
+# The other transports run one abort state per side, transferring (the state with writes
+# under way; their marker check has no delay to widen the window), to bound the time.
+IN_FLIGHT = {"chunk_delay": 0.15, "prefill_write_delay": 0.3, "reuse_after_abort": True}
 ABORTS = [
     ("decode", "bootstrapping", {}, {"indices_timeout": 2.0}),
-    ("decode", "waiting_for_input", {"prefill_delay": 1.0}, {}),
-    ("decode", "transferring", {"chunk_delay": 0.15, "prefill_write_delay": 0.3,
-                                "reuse_after_abort": True}, {}),
-    ("prefill", "bootstrapping", {}, {}),
-    ("prefill", "waiting_for_input", {"prefill_delay": 1.0}, {}),
-    ("prefill", "transferring", {"chunk_delay": 0.15, "prefill_write_delay": 0.3}, {}),
+    ("decode", "waiting_for_input", {}, {}),
+    ("decode", "transferring", IN_FLIGHT, {}),
+    ("prefill", "bootstrapping", {"decode_init_delay": 1.0}, {}),
+    ("prefill", "waiting_for_input", {}, {}),
+    ("prefill", "transferring", IN_FLIGHT, {}),
 ]
+ENGINE_ABORTS = [(side, "transferring", {"chunk_delay": 0.15, "reuse_after_abort": True}, {})
+                 for side in ("decode", "prefill")]
+ABORT_PARAMS = [pytest.param("tcp", *a, id=f"{a[0]}-{a[1]}") for a in ABORTS] + [
+    pytest.param(t.values[0], *a, id=f"{t.id}-{a[0]}-{a[1]}", marks=t.marks)
+    for t in TRANSPORTS[1:] for a in ENGINE_ABORTS]
 
 
-@pytest.mark.parametrize(("side", "state", "knobs", "config"), ABORTS,
-                         ids=[f"{a}-{b}" for a, b, _, _ in ABORTS])
-def test_abort(workers: WorkerPair, side: str, state: str, knobs: dict[str, Any],
-               config: dict[str, Any]) -> None:
+@pytest.mark.parametrize(("transport", "side", "state", "knobs", "config"), ABORT_PARAMS)
+def test_abort(workers: WorkerPair, transport: str, side: str, state: str,
+               knobs: dict[str, Any], config: dict[str, Any]) -> None:
     with BootstrapServer() as srv:
         p, d = workers.get()
-        scn = scenario({f"{side}_abort": state, **knobs}, config)
+        scn = scenario({f"{side}_abort": state, **knobs}, config, transport=transport)
         res = run_scenario(scn, srv.url, p, d)
         assert not res.problems, "\n".join(res.problems)
         failed(res.decode.outcomes, "abort")
         if (side, state) == ("decode", "bootstrapping"):  # decode never reached prefill
             failed(res.prefill.outcomes, "indices_timeout")
+            quickly(res.prefill.outcomes, scn, "indices_timeout")
         else:
             failed(res.prefill.outcomes, "abort")
+            quickly(res.prefill.outcomes, scn)
+        quickly(res.decode.outcomes, scn)
+        # the abort found the request in the named state: on every rank, or (prefill
+        # TP 2) on the rank that aborted first, the other's already failed by decode
+        aborting = res.decode if side == "decode" else res.prefill
+        assert all(o.aborted_in in (state, "failed") for o in aborting.outcomes), \
+            aborting.outcomes
+        for rp in scn.requests:
+            assert any(o.aborted_in == state for o in aborting.outcomes if o.rid == rp.rid), \
+                aborting.outcomes
         for o in res.decode.outcomes:
             assert o.released and "timeout" not in o.release_reason, o
+        no_live(res.decode)
+        # decode is alive and stays accepted (after an abort in bootstrapping its
+        # handshake may not have happened yet when prefill's drivers were done)
+        no_live(res.prefill, decode_peers=None if state == "bootstrapping" else 1)
         assert res.prefill_leaks == NO_LEAKS and res.decode_leaks == NO_LEAKS
         assert srv.registry.health().ranks == 0
 
 
-def test_decode_killed_mid_transfer(workers: WorkerPair) -> None:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_decode_killed_mid_transfer(workers: WorkerPair, transport: str) -> None:
     with BootstrapServer() as srv:
         p, d = workers.get()
-        scn = scenario({"decode_exit": "transferring", "chunk_delay": 0.15})
+        scn = scenario({"decode_exit": "transferring", "chunk_delay": 0.15},
+                       transport=transport)
         res = run_scenario(scn, srv.url, p, d)
         assert res.decode.problems == ["decode worker gave no report"]
         assert not res.prefill.problems, res.prefill.problems
-        failed(res.prefill.outcomes, "silent", "lost", "closed", "reset", "EOF")
+        failed(res.prefill.outcomes, "silent", "lost", "closed", "reset", "EOF", "Disconnect")
         assert all("decode" in (o.reason or "") for o in res.prefill.outcomes)
+        quickly(res.prefill.outcomes, scn)
+        no_live(res.prefill)
         assert res.prefill_leaks == NO_LEAKS
+        assert srv.registry.health().ranks == 0  # prefill survived: it deregistered
+        dead_peer_dropped(res.prefill, alive=0)
 
 
-def test_prefill_killed_mid_transfer(workers: WorkerPair) -> None:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_prefill_killed_mid_transfer(workers: WorkerPair, transport: str) -> None:
     with BootstrapServer() as srv:  # the dead ranks' registrations stay behind: own server
         p, d = workers.get()
-        scn = scenario({"prefill_exit": "transferring", "chunk_delay": 0.15})
+        scn = scenario({"prefill_exit": "transferring", "chunk_delay": 0.15},
+                       transport=transport)
         res = run_scenario(scn, srv.url, p, d)
         assert res.prefill.problems == ["prefill worker gave no report"]
         assert not res.decode.problems, res.decode.problems
         failed(res.decode.outcomes, "silent")
         for o in res.decode.outcomes:
             assert o.released and "release_timeout" in o.release_reason, o
+        quickly(res.decode.outcomes, scn, "heartbeat_timeout", "release_timeout")
+        no_live(res.decode)
         assert res.decode_leaks == NO_LEAKS
 
 
-def test_a_dead_decode_peer_does_not_poison_the_others(workers: WorkerPair) -> None:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_dead_decode_peer_does_not_poison_the_others(workers: WorkerPair,
+                                                        transport: str) -> None:
     """Two decode deployments share one prefill; one dies mid-transfer. The other's
     requests all succeed, byte-exact, and prefill fails only the dead one's."""
     doomed, healthy = requests(3, first_block=0), requests(3, first_block=3)
@@ -117,21 +210,32 @@ def test_a_dead_decode_peer_does_not_poison_the_others(workers: WorkerPair) -> N
         other = Worker("kvh-faults-decode-b")
         try:
             name = f"proc-{next(_names)}"
-            both = scenario({"chunk_delay": 0.15}, reqs=doomed + healthy, instance=name)
+            both = scenario({"chunk_delay": 0.15}, reqs=doomed + healthy, instance=name,
+                            transport=transport)
             p.run("prefill", both, srv.url)
             d.run("decode", scenario({"decode_exit": "transferring"}, reqs=doomed,
-                                     instance=name), srv.url)
-            other.run("decode", scenario({}, reqs=healthy, instance=name), srv.url)
+                                     instance=name, transport=transport), srv.url)
+            other.run("decode", scenario({}, reqs=healthy, instance=name,
+                                         transport=transport), srv.url)
             good = other.result(90)
             pre = p.result(90)
-            assert d.result(30) is None  # it died
+            dead = d.result(30)
+            # close both sides before any assert, so a failure here leaves no agent
+            # behind for the next test's leak report
+            leaks = other.close_side(), p.close_side()
+            assert dead is None  # it died
             assert good is not None and pre is not None
             assert not good.problems and not pre.problems, good.problems + pre.problems
             assert good.by_status() == {"success": 3}
             by_rid = {o.rid: o for o in pre.outcomes if o.rank.endswith("tp0-pp0")}
             assert all(by_rid[rp.rid].status == "success" for rp in healthy)
             assert all(by_rid[rp.rid].status == "failed" for rp in doomed)
-            assert other.close_side() == NO_LEAKS and p.close_side() == NO_LEAKS
+            quickly([o for o in pre.outcomes if o.rid in {rp.rid for rp in doomed}], both)
+            no_live(good)
+            no_live(pre)
+            assert leaks == (NO_LEAKS, NO_LEAKS)
+            assert srv.registry.health().ranks == 0
+            dead_peer_dropped(pre, alive=1)  # the healthy decode rank only
         finally:
             other.stop()
 
@@ -143,4 +247,6 @@ def test_runs_after_faults_are_clean(workers: WorkerPair) -> None:
         res: RunResult = run_scenario(scenario({}), srv.url, p, d)
         assert not res.problems, res.problems
         assert res.decode.by_status() == {"success": 3}
+        no_live(res.decode)
+        no_live(res.prefill, decode_peers=1)
         assert res.prefill_leaks == NO_LEAKS and res.decode_leaks == NO_LEAKS
