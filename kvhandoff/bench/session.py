@@ -369,7 +369,7 @@ def run(quick: bool, transport: str = "tcp", in_band: bool = True) -> dict[str, 
                 "handoffs_per_s": CONCURRENT / statistics.median(sess),
                 "raw_transport_requests_per_s": CONCURRENT / statistics.median(thr["raw"]),
                 "failures": thr["failures"]}
-            reps = 4 if quick else 12
+            reps = 8 if quick else 40
             bg = pair.run("big", big, reps)
             t0s, (_, ends) = bg["prefill"], bg["decode"]
             times = [e - t for t, e in zip(t0s, ends, strict=True)][1:]
