@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import functools
 import itertools
 import logging
 import threading
@@ -73,7 +74,13 @@ from kvhandoff.session.bootstrap_client import RankId as BootstrapRankId
 from kvhandoff.session.completion import Callback, Completions
 from kvhandoff.session.config import SessionConfig
 from kvhandoff.session.control import ControlChannel, Origin
-from kvhandoff.session.errors import AgentClosed, BootstrapFailed
+from kvhandoff.session.errors import (
+    AgentClosed,
+    BootstrapFailed,
+    PeerLost,
+    RequestAborted,
+    SessionError,
+)
 from kvhandoff.session.groups import PrefillGroups
 from kvhandoff.session.liveness import Liveness
 from kvhandoff.session.memory import TensorViews
@@ -98,6 +105,10 @@ class _Tomb(NamedTuple):
     reason: str
     expires: float  # time.monotonic()
     unsafe: frozenset[str]  # decode endpoints a cancelled write may still reach
+    lost: bool = False  # failed for an unreachable decode rank, not an abort
+
+    def error(self) -> SessionError:
+        return PeerLost(self.reason) if self.lost else RequestAborted(self.reason)
 
 
 class Role(enum.StrEnum):
@@ -332,11 +343,12 @@ class Agent:
 
     # --- for Sender / Receiver ---------------------------------------------------------
 
-    def _attach_sender(self, s: Sender) -> tuple[list[tuple[DecodePeer | None, TransferInit]],
-                                                 str | None]:
+    def _attach_sender(self, s: Sender) -> tuple[list[tuple[DecodePeer | str, TransferInit]],
+                                                 SessionError | None]:
         """Register ``s``; returns the indices buffered for it (with their decode peer,
-        None for one dropped since: lost, or its data connection closed) and the reason
-        it already failed, if it did."""
+        or why that rank was dropped since) and why it already failed, if it did.
+        Indices from a rank whose data connection closed are handed over once it is
+        re-dialed."""
         with self._lock:
             self._check_open()
             if s.request_id in self._senders:
@@ -345,8 +357,16 @@ class Agent:
             buffered = self._inits.pop(s.request_id, [])
             tomb = self._tombstones.pop(s.request_id, None)
         assert self._peers is not None
-        return [(self._peers.get(ep), m) for ep, m, _ in buffered], \
-            None if tomb is None else tomb.reason
+        ready: list[tuple[DecodePeer | str, TransferInit]] = []
+        for ep, m, _ in buffered:
+            p = self._peers.get(ep)
+            if p is None:
+                ready.append((self._peers.why_gone(ep), m))
+            elif p.transport_peer.closed:
+                self._spawn(functools.partial(self._redialed, p, m, deliver=True))
+            else:
+                ready.append((p, m))
+        return ready, None if tomb is None else tomb.error()
 
     def _attach_receiver(self, r: Receiver) -> None:
         with self._lock:
@@ -370,12 +390,12 @@ class Agent:
                 self._tombstone(r.request_id, r.reason, unsafe)
 
     def _tombstone(self, rid: RequestId, reason: str,
-                   unsafe: frozenset[str] = frozenset()) -> None:
+                   unsafe: frozenset[str] = frozenset(), *, lost: bool = False) -> None:
         """Remember a failed request for a while, so late indices or aborts for it are
         answered; ``unsafe``: decode endpoints a cancelled write may still reach, never
         told "no write in flight" (caller holds the lock)."""
         self._tombstones[rid] = _Tomb(reason, time.monotonic() + self.config.indices_timeout,
-                                      unsafe)
+                                      unsafe, lost)
         while len(self._tombstones) > _MAX_TOMBSTONES:
             self._tombstones.popitem(last=False)
 
@@ -503,7 +523,9 @@ class Agent:
                 else:
                     self._inits.setdefault(msg.request_id, []).append((peer.endpoint, msg, now))
         if peer.transport_peer.closed and tomb is None and not full:
-            self._spawn(lambda: self._redialed(peer, msg))  # its data connection broke
+            # its data connection broke: re-dial now; a Sender still to come gets the
+            # buffered indices with the fresh peer (or re-dials itself, see above)
+            self._spawn(functools.partial(self._redialed, peer, msg, deliver=sender is not None))
         elif sender is not None:
             sender._on_init(peer, msg)
         elif tomb is not None:
@@ -518,19 +540,21 @@ class Agent:
                        f"indices with no Sender yet (max_pending_inits); refused",
                 request_id=msg.request_id))
 
-    def _redialed(self, peer: DecodePeer, msg: TransferInit) -> None:
-        """Re-dial ``peer``'s broken data connection, then hand ``msg`` on (a worker
-        thread); if the rank cannot be reached, the request fails here, naming why."""
+    def _redialed(self, peer: DecodePeer, msg: TransferInit, *, deliver: bool) -> None:
+        """Re-dial ``peer``'s broken data connection (a worker thread), then hand ``msg``
+        to its Sender (``deliver``; else it waits in the buffer for one); if the rank
+        cannot be reached, the request fails, naming why."""
         assert self._peers is not None
         got = self._peers.redial(peer)
         with self._lock:
             sender = self._senders.get(msg.request_id)
-            if isinstance(got, str) and sender is None:
-                self._inits.pop(msg.request_id, None)
-                self._tombstone(msg.request_id, got)  # its Sender fails on arrival
-                return
+            if not deliver:
+                if isinstance(got, str) and sender is None:
+                    self._inits.pop(msg.request_id, None)
+                    self._tombstone(msg.request_id, got, lost=True)  # its Sender fails on arrival
+                return  # else the Sender's own attach re-dials (or finds the fresh peer)
         if sender is None:
-            return  # buffered above, with the endpoint: the Sender finds the fresh peer
+            return
         if isinstance(got, str):
             sender._on_init_refused(f"request {msg.request_id!r}: {got}")
         else:
@@ -618,7 +642,7 @@ class Agent:
         if self._groups is not None:
             self._groups.drop_endpoint(endpoint)
         if self._peers is not None:
-            self._peers.drop(endpoint)
+            self._peers.drop(endpoint, reason=reason)
         if self._control is not None:
             self._control.forget(endpoint)
 

@@ -18,6 +18,7 @@ Thread-safety: every method may be called from any thread.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import threading
@@ -40,6 +41,8 @@ from kvhandoff.transport.base import Peer, Transport
 from kvhandoff.transport.errors import TransportError
 
 log = logging.getLogger("kvhandoff.session.peers")
+
+_GONE_MEMORY = 1024  # dropped ranks whose reason is kept
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +71,7 @@ class DecodePeers:
         self._lock = threading.Lock()
         self._peers: dict[str, DecodePeer] = {}
         self._dialing: dict[str, threading.Lock] = {}  # one redial per rank at a time
+        self._gone: collections.OrderedDict[str, str] = collections.OrderedDict()  # why dropped
         self._closed = False
 
     def get(self, endpoint: str | None) -> DecodePeer | None:
@@ -151,9 +155,10 @@ class DecodePeers:
             try:
                 tpeer = self._transport.connect(now.transport_endpoint)
             except TransportError as e:
-                self.drop(peer.endpoint, only=now)
-                return (f"decode {peer.rank}'s data connection was lost and re-dialing its "
-                        f"{self._transport.name} endpoint failed: {e}")
+                why = (f"decode {peer.rank}'s data connection was lost and re-dialing its "
+                       f"{self._transport.name} endpoint failed: {e}")
+                self.drop(peer.endpoint, only=now, reason=why)
+                return why
             fresh = dataclasses.replace(now, transport_peer=tpeer)
             with self._lock:
                 if self._closed or self._peers.get(peer.endpoint) is not now:
@@ -165,16 +170,26 @@ class DecodePeers:
             log.info("re-dialed decode %s's %s transport", peer.rank, self._transport.name)
             return fresh
 
-    def drop(self, endpoint: str, only: DecodePeer | None = None) -> DecodePeer | None:
+    def drop(self, endpoint: str, only: DecodePeer | None = None, *,
+             reason: str = "") -> DecodePeer | None:
         """Forget a lost decode rank and close its transport peer (pending writes fail);
-        with ``only``, just when that is still the rank's peer (not a newer handshake)."""
+        with ``only``, just when that is still the rank's peer (not a newer handshake).
+        ``reason`` is remembered for a while: see :meth:`why_gone`."""
         with self._lock:
             peer = self._peers.get(endpoint)
             if peer is None or (only is not None and peer is not only):
                 return None
             del self._peers[endpoint]
+            self._gone[endpoint] = reason or "dropped"
+            while len(self._gone) > _GONE_MEMORY:
+                self._gone.popitem(last=False)
         peer.transport_peer.close()
         return peer
+
+    def why_gone(self, endpoint: str) -> str:
+        """Why the rank at ``endpoint`` was dropped (recent drops only)."""
+        with self._lock:
+            return self._gone.get(endpoint, "not handshaken (or dropped long ago)")
 
     def close(self) -> None:
         with self._lock:

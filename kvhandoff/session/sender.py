@@ -132,14 +132,14 @@ class Sender(RequestSide):
         self._chunks = 0
         self._last_given = False
         self._settle = _Settle()
-        inits, tombstone = agent._attach_sender(self)
-        if tombstone is not None:
-            self._fail(RequestAborted(tombstone))
+        inits, failed = agent._attach_sender(self)
+        if failed is not None:
+            self._fail(failed)
         for peer, msg in inits:
-            if peer is None:  # buffered, then its rank was dropped: it cannot be written
+            if isinstance(peer, str):  # buffered, then its rank was dropped: why
                 self._fail(PeerLost(f"request {request_id!r}: decode {msg.rank} sent its "
-                                    f"indices, then was lost (or its data connection closed) "
-                                    f"before this Sender existed"))
+                                    f"indices, then was dropped before this Sender existed: "
+                                    f"{peer}"))
             else:
                 self._on_init(peer, msg)
 
