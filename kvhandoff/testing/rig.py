@@ -4,11 +4,14 @@ model in this process, real memory, the tcp transport, short timeouts. Test supp
 :class:`Rig` builds both agents (prefill registers with the given bootstrap server),
 creates Receivers and Senders for :class:`~kvhandoff.testing.handoff.RequestPlan`\ s with
 the same indices the cross-process harness uses, and runs whole handoffs.
+:meth:`Rig.add_decode` adds more decode agents (other decode deployments of the same
+layout, each with its own memory) that the one prefill agent serves too.
 """
 
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -49,6 +52,15 @@ def config(instance: str, **kw: Any) -> SessionConfig:
     return SessionConfig.from_env({}, **{**FAST, "instance": instance, **kw})
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeSide:
+    """A decode agent of the rig, its layout and its memory."""
+
+    agent: Agent
+    dst: Layout
+    arena: Arena
+
+
 class Rig:
     """One prefill and one decode agent of tiny qwen3_next (TP 1 each, unless the
     topology says otherwise: then rank 0 of each side), in this process."""
@@ -73,16 +85,33 @@ class Rig:
         except BaseException:
             self.prefill.close()
             raise
+        self.decodes: list[DecodeSide] = [DecodeSide(self.decode, self.dst, self.darena)]
+        self._instance = instance
+
+    def add_decode(self, *, decode_cfg: dict[str, Any] | None = None,
+                   transport: Transport | None = None) -> DecodeSide:
+        """Another decode agent (a separate decode deployment: its own control and
+        transport endpoints, its own seeded memory) with the rig's decode layout."""
+        arena = Arena((len(self.decodes), DECODE, 0, 0, 0))
+        dst = layout_of(self.topo, DECODE, 0, 0, arena)
+        agent = Agent.decode(dst, config=config(self._instance, **(decode_cfg or {})),
+                             transport=transport)
+        side = DecodeSide(agent, dst, arena)
+        self.decodes.append(side)
+        return side
 
     def plan(self, rid: Any, *, block: int = 0, num_tokens: int = 21, chunk_pages: int = 2,
              **kw: Any) -> RequestPlan:
         return RequestPlan(rid=rid, num_tokens=num_tokens, block=block, chunk_pages=chunk_pages,
                            seed=block, **kw)
 
-    def receiver(self, rp: RequestPlan, *, init: bool = True) -> Receiver:
-        r = Receiver(self.decode, self.url, rp.rid)
+    def receiver(self, rp: RequestPlan, *, init: bool = True,
+                 on: DecodeSide | None = None) -> Receiver:
+        """A Receiver on the rig's decode agent (or on ``on``), init'ed unless told not."""
+        agent, dst = (self.decode, self.dst) if on is None else (on.agent, on.dst)
+        r = Receiver(agent, self.url, rp.rid)
         if init:
-            lists, row = decode_lists(request_of(self.scn, rp, self.src, self.dst), self.dst)
+            lists, row = decode_lists(request_of(self.scn, rp, self.src, dst), dst)
             r.init(lists, row, decode_prefix_len=rp.prefix_len)
         return r
 
@@ -104,8 +133,9 @@ class Rig:
             last = i == len(chunks) - 1
             s.send(c, state_indices=state if last else None, last=last)
 
-    def handoff(self, rp: RequestPlan) -> tuple[Sender, Receiver]:
-        r = self.receiver(rp)
+    def handoff(self, rp: RequestPlan, *, on: DecodeSide | None = None
+                ) -> tuple[Sender, Receiver]:
+        r = self.receiver(rp, on=on)
         s, chunks, state = self.sender(rp)
         self.send_all(s, chunks, state)
         assert r.wait(10) is Status.SUCCESS, r.reason
@@ -122,5 +152,7 @@ class Rig:
                                      transport=create_transport("tcp"))
 
     def close(self) -> None:
+        for d in self.decodes[1:]:
+            d.agent.close()
         self.decode.close()
         self.prefill.close()
