@@ -284,8 +284,6 @@ class Verifier:
         from kvhandoff.session.memory import TensorViews
         expected = [a.copy() for a in (self.arena.initial(i, len(b))
                                        for i, b in enumerate(self.arena.bufs))]
-        starts = np.array([int(b.ctypes.data) for b in self.arena.bufs], np.int64)
-        order = np.argsort(starts)
         problems = []
         for rp in done:
             lays, arenas = self._sources(self.scn.dp_of(rp))
@@ -298,12 +296,7 @@ class Verifier:
             req = request_of(self.scn, rp, lays[0], self.dst)
             bm = expected_writes(lays, self.dst, req)
             src_mem = HostMemory([b for a in arenas for b in a.bufs])
-            want = src_mem.read(bm.src)
-            pos = np.searchsorted(starts[order], bm.dst, side="right") - 1
-            for k in np.unique(pos).tolist():
-                i = int(order[k])
-                m = pos == k
-                expected[i][bm.dst[m] - starts[i]] = want[m]
+            place(expected, self.arena.bufs, bm.dst, src_mem.read(bm.src))
         for rp in failed:
             lays, _ = self._sources(self.scn.dp_of(rp))
             req = request_of(self.scn, rp, lays[0], self.dst)
@@ -313,15 +306,24 @@ class Verifier:
                 t = self.dst.component(ax).tensors[0]
                 row0 = t.ptr + (rp.block + 1) * t.item_bytes
                 free = np.concatenate([free, np.arange(row0, row0 + t.item_bytes)])
-            pos = np.searchsorted(starts[order], free, side="right") - 1
-            for k in np.unique(pos).tolist():
-                i = int(order[k])
-                m = pos == k
-                off = free[m] - starts[i]
-                expected[i][off] = self.arena.bufs[i][off]  # anything goes there
+            # anything goes there: expect what is there
+            place(expected, self.arena.bufs, free, HostMemory(self.arena.bufs).read(free))
         for i, (b, e) in enumerate(zip(self.arena.bufs, expected, strict=True)):
             bad = np.flatnonzero(b != e)
             if len(bad):
                 problems.append(f"decode tp{self.tp} pp{self.pp} buffer {i}: {len(bad)} of "
                                 f"{len(b)} bytes differ (first at offset {int(bad[0])})")
         return problems
+
+
+def place(expected: list[np.ndarray], bufs: Sequence[np.ndarray], addrs: np.ndarray,
+          values: np.ndarray) -> None:
+    """Set the bytes at absolute addresses ``addrs`` (all inside ``bufs``) to ``values``
+    in ``expected``, the per-buffer copies of ``bufs`` a verifier compares them with."""
+    starts = np.array([int(b.ctypes.data) for b in bufs], np.int64)
+    order = np.argsort(starts)
+    pos = np.searchsorted(starts[order], addrs, side="right") - 1
+    for k in np.unique(pos).tolist():
+        i = int(order[k])
+        m = pos == k
+        expected[i][addrs[m] - starts[i]] = values[m]

@@ -23,7 +23,7 @@ from kvhandoff.protocol import RequestId
 from kvhandoff.session import Receiver, Sender, Status
 from kvhandoff.session.bootstrap import BootstrapServer
 from kvhandoff.testing.faulty import FailingTcp
-from kvhandoff.testing.handoff import RequestPlan, request_of
+from kvhandoff.testing.handoff import RequestPlan, place, request_of
 from kvhandoff.testing.oracle import expected_writes
 from kvhandoff.testing.rig import DecodeSide, Rig
 
@@ -46,24 +46,17 @@ def memory_problems(rig: Rig, side: DecodeSide, done: list[RequestPlan],
     the aux rows of ``failed`` requests (decode clears a request's row at init)."""
     bufs = side.arena.bufs
     expected = [side.arena.initial(i, len(b)) for i, b in enumerate(bufs)]
-    starts = np.array([int(b.ctypes.data) for b in bufs], np.int64)
-    order = np.argsort(starts)
     aux = side.dst.component("aux").tensors[0]
     for rp in failed:
         row = aux.ptr + (rp.block + 1) * aux.item_bytes
         i = next(j for j, b in enumerate(bufs) if int(b.ctypes.data) == aux.ptr)
-        off = row - starts[i]
+        off = row - aux.ptr
         expected[i][off:off + aux.item_bytes] = bufs[i][off:off + aux.item_bytes]
     src_mem = HostMemory(rig.parena.bufs)
     for rp in done:
         bm = expected_writes([rig.src], side.dst, request_of(rig.scn, rp, rig.src, side.dst))
         assert len(bm.dst), "the oracle expects no write"
-        want = src_mem.read(bm.src)
-        pos = np.searchsorted(starts[order], bm.dst, side="right") - 1
-        for k in np.unique(pos).tolist():
-            i = int(order[k])
-            m = pos == k
-            expected[i][bm.dst[m] - starts[i]] = want[m]
+        place(expected, bufs, bm.dst, src_mem.read(bm.src))
     out = []
     for i, (b, e) in enumerate(zip(bufs, expected, strict=True)):
         bad = np.flatnonzero(b != e)
