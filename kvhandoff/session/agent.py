@@ -615,18 +615,15 @@ class Agent:
                      if now - v[0][2] > self.config.indices_timeout]
             for rid in stale:
                 del self._inits[rid]
+            watched = set(self._suspects)
         for r in live:
             r._on_tick(now)
-        with self._lock:
-            watched = set(self._suspects)
         for r in live:
             watched |= r._peer_endpoints()
         ping, lost = self._liveness.tick(watched, now)
         for ep in ping:
             self._post(ep, Heartbeat(seq=next(self._seq), sender=self.endpoint))
         for ep, quiet in lost:
-            with self._lock:
-                self._suspects.pop(ep, None)
             self._peer_lost(ep, f"peer {ep} silent for {quiet:.1f} s (heartbeat_timeout "
                                 f"{self.config.heartbeat_timeout:g} s)")
         for ep in [e for e, t in self._lost.items() if now - t > _LOST_MEMORY_S]:
@@ -636,6 +633,7 @@ class Agent:
         log.warning("agent %s: %s", self.name, reason)
         self._lost[endpoint] = time.monotonic()
         with self._lock:
+            self._suspects.pop(endpoint, None)  # lost: nothing left to suspect
             live: list[Sender | Receiver] = [*self._senders.values(), *self._receivers.values()]
         for r in live:
             r._on_peer_lost(endpoint, reason)

@@ -180,6 +180,7 @@ class DecodePeers:
             if peer is None or (only is not None and peer is not only):
                 return None
             del self._peers[endpoint]
+            self._dialing.pop(endpoint, None)  # a redial holding it finds the rank gone
             self._gone[endpoint] = reason or "dropped"
             while len(self._gone) > _GONE_MEMORY:
                 self._gone.popitem(last=False)

@@ -110,9 +110,13 @@ class _Writer:
     layout: Layout | None
     chunks: set[int] = field(default_factory=set)  # chunks it reported written
     last: int | None = None  # the chunk number its last status named
-    done: bool = False  # every chunk up to its last reported: nothing of ours in flight
     acked: bool = False  # confirmed no write in flight after a failure
     verifying: int = 0  # checksum checks still running
+
+    @property
+    def done(self) -> bool:
+        """Every chunk up to its last reported: nothing of ours in flight."""
+        return self.last is not None and len(self.chunks) == self.last + 1
 
     def count(self, chunk: int, last: bool) -> str | None:
         """Record chunk ``chunk`` as written; a sentence if that cannot be. Statuses
@@ -125,11 +129,8 @@ class _Writer:
                 return f"reported a last chunk twice ({self.last}, then {chunk})"
             self.last = chunk
         self.chunks.add(chunk)
-        if self.last is not None:
-            top = max(self.chunks)
-            if top > self.last:
-                return f"reported chunk {top} after its last chunk {self.last}"
-            self.done = len(self.chunks) == self.last + 1
+        if self.last is not None and max(self.chunks) > self.last:
+            return f"reported chunk {max(self.chunks)} after its last chunk {self.last}"
         return None
 
 
