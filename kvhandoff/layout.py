@@ -245,6 +245,9 @@ class Layout:
     (its PP stage); tensors with a ``layer_id`` outside it are an error.
     ``regions`` are the memory blocks the transport registers; when omitted,
     each tensor is its own region. Every tensor must lie inside one region.
+    ``identity`` is what an engine says both sides must share beyond shapes, as
+    ``(field, value)`` pairs (model, dtype, block size, …); the handshake refuses a
+    pair whose identities differ, naming each field and both values.
     """
 
     page_size: int
@@ -255,6 +258,7 @@ class Layout:
     layers: tuple[int, int] = (0, 1 << 30)
     components: tuple[Component, ...] = ()
     regions: tuple[Region, ...] = ()
+    identity: tuple[tuple[str, str], ...] = ()
     _hash: int = field(init=False, repr=False, compare=False, default=0)
     _signature: str = field(init=False, repr=False, compare=False, default="")
     _model_signature: str = field(init=False, repr=False, compare=False, default="")
@@ -270,6 +274,10 @@ class Layout:
         if not 0 <= lo <= hi:
             raise LayoutError(f"layers must be a range 0 <= start <= end, got {self.layers}")
         object.__setattr__(self, "components", tuple(self.components))
+        object.__setattr__(self, "identity", tuple((str(k), str(v)) for k, v in self.identity))
+        keys = [k for k, _ in self.identity]
+        if len(set(keys)) != len(keys):
+            raise LayoutError(f"identity fields repeat: {sorted(keys)}")
         names = [c.name for c in self.components]
         dup = {n for n in names if names.count(n) > 1}
         if dup:
@@ -376,4 +384,6 @@ def _signature(layout: Layout) -> str:
     for c in sorted(layout.components, key=lambda c: c.name):
         kinds = sorted({json.dumps([t.name, *t.geometry()], default=str) for t in c.tensors})
         parts.append([c.name, c.type.value, kinds])
+    if layout.identity:  # absent from the hash when unused, so older signatures stay put
+        parts.append(["identity", sorted(layout.identity)])
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]

@@ -273,6 +273,7 @@ class LayoutMsg(_Record, frozen=True):
     components: tuple[ComponentMsg, ...]
     regions: tuple[RegionMsg, ...]
     signature: str
+    identity: tuple[tuple[str, str], ...] = ()
 
 
 def layout_to_msg(layout: Layout) -> LayoutMsg:
@@ -289,6 +290,7 @@ def layout_to_msg(layout: Layout) -> LayoutMsg:
             for r in layout.regions
         ),
         signature=layout.signature,
+        identity=layout.identity,
     )
 
 
@@ -318,6 +320,7 @@ def layout_from_msg(msg: LayoutMsg) -> Layout:
                 Region(ptr=r.ptr, nbytes=r.nbytes, memory=r.memory, device=r.device)
                 for r in msg.regions
             ),
+            identity=msg.identity,
         )
     except LayoutError as e:
         raise ProtocolError(f"peer layout is invalid: {e}") from e

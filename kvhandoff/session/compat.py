@@ -57,6 +57,7 @@ def handshake_report(
     if memory_kinds is not None:
         problems += _memory("prefill", prefill_layout, prefill_transport, memory_kinds)
         problems += _memory("decode", decode_layout, decode_transport, memory_kinds)
+    problems += identity_problems(prefill_layout, decode_layout)
     topology = _pp(prefill_layout, decode_layout)
     problems += topology
     if not topology:
@@ -65,6 +66,17 @@ def handshake_report(
         except LayoutMismatch as e:
             problems += e.problems
     return problems
+
+
+def identity_problems(prefill: Layout, decode: Layout) -> list[str]:
+    """One problem per identity field the two layouts disagree on (a field only one side
+    states counts: ``<unset>`` on the other)."""
+    p, d = dict(prefill.identity), dict(decode.identity)
+    return [
+        f"{k}: prefill has {p.get(k, '<unset>')!r}, decode has {d.get(k, '<unset>')!r}; "
+        f"both sides must run the same {k}"
+        for k in sorted(p.keys() | d.keys()) if p.get(k) != d.get(k)
+    ]
 
 
 def _memory(side: str, layout: Layout, transport: str, kinds: Collection[MemoryKind]
