@@ -1,0 +1,237 @@
+"""``KvhandoffConnector``: kvhandoff as a vLLM (0.32) KV connector. Imports vLLM.
+
+vLLM builds the connector twice: in the scheduler process (``role=SCHEDULER``, backed by
+:class:`~kvhandoff.integrations.vllm.scheduler.SchedulerSide`) and in each worker
+(``role=WORKER``, backed by :class:`~kvhandoff.integrations.vllm.worker.WorkerSide` once
+vLLM registered its KV caches). Load it with::
+
+    --kv-transfer-config '{"kv_connector": "KvhandoffConnector",
+                           "kv_connector_module_path": "kvhandoff.integrations.vllm",
+                           "kv_role": "kv_producer",
+                           "kv_connector_extra_config": {"bootstrap": "10.0.0.3:8998"}}'
+
+``kv_connector_extra_config`` keys: ``bootstrap`` (required: ``host:port`` of a running
+``kvhandoff bootstrap``), ``transport`` (``tcp`` default; ``mooncake``, ``nixl``),
+``instance`` (the prefill deployment's name, default ``default``), ``host`` (control
+socket bind address), ``aux_rows`` (handoffs in flight per worker, default 1024), and any
+other :class:`~kvhandoff.session.config.SessionConfig` field (e.g. ``transfer_timeout``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
+
+from kvhandoff.integrations.vllm.layout import GroupInfo, TensorInfo, build_layout
+from kvhandoff.integrations.vllm.requests import StepMeta, backoff, rules_for
+from kvhandoff.integrations.vllm.scheduler import SchedulerConfig, SchedulerSide
+from kvhandoff.integrations.vllm.worker import AuxRows, WorkerSide
+from kvhandoff.layout import MemoryKind, Region
+from kvhandoff.session.config import SessionConfig
+from kvhandoff.session.receiver import bootstrap_url
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvhandoff.integrations.vllm")
+
+_OWN_KEYS = {"bootstrap", "aux_rows"}
+
+
+class KvhandoffMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    def __init__(self, step: StepMeta) -> None:
+        self.step = step
+
+
+def _kind(spec: object) -> str:
+    if isinstance(spec, MambaSpec):
+        return "mamba"
+    if isinstance(spec, SlidingWindowSpec):
+        return "sliding"
+    if isinstance(spec, MLAAttentionSpec):
+        return "mla"
+    if isinstance(spec, FullAttentionSpec):
+        return "full"
+    return type(spec).__name__
+
+
+class KvhandoffConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
+    """See the module docstring."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        extra = dict(ktc.kv_connector_extra_config or {})
+        if not extra.get("bootstrap"):
+            raise ValueError("KvhandoffConnector needs kv_connector_extra_config.bootstrap: "
+                             "host:port of a running `kvhandoff bootstrap`")
+        if not (ktc.is_kv_producer or ktc.is_kv_consumer) or (
+                ktc.is_kv_producer and ktc.is_kv_consumer):
+            raise ValueError(f"KvhandoffConnector needs kv_role kv_producer (prefill) or "
+                             f"kv_consumer (decode), got {ktc.kv_role!r}")
+        self.producer = bool(ktc.is_kv_producer)
+        self.bootstrap = bootstrap_url(str(extra["bootstrap"]))
+        self.session = SessionConfig.from_env(
+            **{k: v for k, v in extra.items() if k not in _OWN_KEYS})
+        ids = tuple(kv_cache_config.transfer_group_ids)
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        heads = vllm_config.model_config.get_total_num_kv_heads()
+        self.groups = tuple(
+            GroupInfo(index=i, kind=_kind(kv_cache_config.kv_cache_groups[i].kv_cache_spec),
+                      spec=type(kv_cache_config.kv_cache_groups[i].kv_cache_spec).__name__,
+                      block_size=kv_cache_config.kv_cache_groups[i].kv_cache_spec.block_size,
+                      layer_names=tuple(kv_cache_config.kv_cache_groups[i].layer_names),
+                      total_heads=heads)
+            for i in ids)
+        self.identity = _identity(vllm_config, self.groups, tp)
+        self._aux_rows = int(extra.get("aux_rows", 1024))
+        self._sched: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            specs = [kv_cache_config.kv_cache_groups[i].kv_cache_spec for i in ids]
+            self._sched = SchedulerSide(SchedulerConfig(
+                producer=self.producer, bootstrap=self.bootstrap, instance=self.session.instance,
+                rules=rules_for(self.groups,
+                                [getattr(s, "sliding_window", 0) or 0
+                                 if isinstance(s, SlidingWindowSpec) else 0 for s in specs],
+                                [s.num_speculative_blocks if isinstance(s, MambaSpec) else 0
+                                 for s in specs]),
+                transfer_groups=ids,
+                backoff=backoff(has_mamba=any(isinstance(s, MambaSpec) for s in specs),
+                                lookahead=int(getattr(vllm_config, "num_prefill_lookahead_tokens",
+                                                      0) or 0))))
+
+    # --- worker role -----------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        tp = self._vllm_config.parallel_config.tensor_parallel_size
+        rank = get_tensor_model_parallel_rank() if tp > 1 else 0
+        rows = AuxRows(self._aux_rows)
+        aux = rows.component.tensors[0]
+        layout = build_layout(
+            self.groups, {name: _info(t) for name, t in kv_caches.items()},
+            tp_rank=rank, tp_size=tp, extra=(rows.component,),
+            extra_regions=(Region(ptr=aux.ptr, nbytes=aux.nbytes),), identity=self.identity)
+        kv = next((f"g{g.index}.{g.kind}" for g in self.groups if g.kind in ("full", "mla")),
+                  None)
+        self._worker = WorkerSide(layout, rows, producer=self.producer,
+                                  bootstrap=self.bootstrap, config=self.session, kv_name=kv)
+        log.info("kvhandoff %s worker tp %d/%d ready: %s", "prefill" if self.producer
+                 else "decode", rank, tp, layout.describe())
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        if self._worker is not None and self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            assert isinstance(meta, KvhandoffMetadata)
+            self._worker.start(meta.step)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is None:
+            return None, None
+        sending, recving = self._worker.finished()
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.load_errors() if self._worker is not None else set()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+
+    # --- scheduler role --------------------------------------------------------------
+
+    def _s(self) -> SchedulerSide:
+        assert self._sched is not None, "a scheduler call on a worker-role connector"
+        return self._sched
+
+    def on_new_request(self, request: Request) -> None:
+        self._s().on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        return self._s().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        self._s().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return KvhandoffMetadata(self._s().build_meta())
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._s().update_finished(connector_output.finished_sending,
+                                  connector_output.finished_recving)
+
+    def request_finished(self, request: Request, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        return self._s().request_finished(request, [block_ids])
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._s().request_finished(request, block_ids)
+
+    def has_pending_push_work(self) -> bool:
+        return self._sched is not None and self._sched.pending_push
+
+
+def _info(t: torch.Tensor) -> TensorInfo:
+    st = t.untyped_storage()
+    cuda = t.device.type == "cuda"
+    return TensorInfo(ptr=t.data_ptr(), shape=tuple(t.shape), strides=tuple(t.stride()),
+                      itemsize=t.element_size(), dtype=str(t.dtype).removeprefix("torch."),
+                      base_ptr=st.data_ptr(), base_nbytes=st.nbytes(),
+                      memory=MemoryKind.CUDA if cuda else MemoryKind.HOST,
+                      device=t.device.index or 0 if cuda else 0)
+
+
+def _identity(cfg: VllmConfig, groups: tuple[GroupInfo, ...], tp: int
+              ) -> tuple[tuple[str, str], ...]:
+    """What prefill and decode must share beyond shapes; the handshake names each field
+    that differs with both values."""
+    mc = cfg.model_config
+    hf = json.dumps(mc.hf_config.to_diff_dict(), sort_keys=True, default=str)
+    return (
+        ("model config", f"{mc.architecture} {hashlib.sha256(hf.encode()).hexdigest()[:12]}"),
+        ("dtype", str(mc.dtype).removeprefix("torch.")),
+        ("kv_cache_dtype", str(cfg.cache_config.cache_dtype)),
+        ("block_size", ",".join(f"{g.kind}:{g.block_size}" for g in groups)),
+        ("kv cache groups", ",".join(f"{g.index}:{g.spec}:{len(g.layer_names)}"
+                                     for g in groups)),
+    )

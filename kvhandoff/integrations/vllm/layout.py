@@ -1,0 +1,164 @@
+"""A kvhandoff :class:`~kvhandoff.layout.Layout` from what vLLM registers. Pure.
+
+vLLM hands a connector its KV-cache groups (``kv_cache_config.kv_cache_groups``: one spec
+and a list of layer names each) and, per layer, a tensor whose dimension 0 is the block
+id (``register_kv_caches``). Each transferable group becomes one component and each layer
+tensor one :class:`~kvhandoff.layout.TensorSpec` indexed by block id:
+
+=====================  ===============  ==================================================
+vLLM spec              state type       one item (a block)
+=====================  ===============  ==================================================
+``FullAttentionSpec``  ``KV``           ``[H, N, C]`` head-major (``LBHNC``): sharded by
+                                        KV head, so heterogeneous TP slices it
+``SlidingWindowSpec``  ``SWA``          as full attention
+``MLAAttentionSpec``   ``MLA``          the latent page, replicated across TP
+``MambaSpec``          ``MAMBA``        vLLM's raw padded page (conv + SSM state), whole
+=====================  ===============  ==================================================
+
+Several groups may alias one allocation (vLLM overlays groups of a hybrid model on one
+page pool; a block id belongs to one group at a time), so the layout's regions are the
+distinct backing allocations, not the tensors.
+
+What this cannot express yet is refused here, at start-up, naming the group: a Mamba
+group under TP > 1 (vLLM hands its state as raw bytes whose conv/SSM split is not sliced
+per rank yet), attention pages that are not head-major under TP > 1, and more than one
+full-attention group (the session moves one paged KV component per request).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from kvhandoff.layout import NO_LAYER, Component, Layout, MemoryKind, Region, ShardSpec, TensorSpec
+from kvhandoff.state_types import StateType
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+
+KINDS = {"full": StateType.KV, "sliding": StateType.SWA, "mla": StateType.MLA,
+         "mamba": StateType.MAMBA}
+"""Group kinds this module maps, and the state type each becomes."""
+
+
+class VllmLayoutError(ValueError):
+    """What vLLM registered cannot be handed off (yet); the message names the group."""
+
+
+@dataclass(frozen=True, slots=True)
+class GroupInfo:
+    """One transferable KV-cache group, as read from vLLM's spec."""
+
+    index: int  # position in kv_cache_config.kv_cache_groups
+    kind: str  # a key of KINDS
+    spec: str  # the vLLM spec class name (for messages)
+    block_size: int
+    layer_names: tuple[str, ...]
+    total_heads: int = 0  # attention: the model's KV heads over all TP ranks
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """One layer tensor, as read from torch: shape and strides in elements."""
+
+    ptr: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    itemsize: int
+    dtype: str
+    base_ptr: int  # the backing allocation (untyped storage)
+    base_nbytes: int
+    memory: MemoryKind = MemoryKind.HOST
+    device: int = 0
+
+    @property
+    def block_bytes(self) -> int:
+        return self.strides[0] * self.itemsize
+
+    @property
+    def num_blocks(self) -> int:
+        return self.shape[0]
+
+
+def layer_index(name: str) -> int:
+    """The model layer a vLLM layer name belongs to (``model.layers.3.self_attn.attn`` → 3),
+    or ``NO_LAYER`` when the name carries none."""
+    m = _LAYER.search(name)
+    return int(m.group(1)) if m else NO_LAYER
+
+
+def component_name(group: GroupInfo) -> str:
+    return f"g{group.index}.{group.kind}"
+
+
+def build_layout(groups: Sequence[GroupInfo], tensors: Mapping[str, TensorInfo], *,
+                 tp_rank: int, tp_size: int, extra: Sequence[Component] = (),
+                 extra_regions: Sequence[Region] = (),
+                 identity: Sequence[tuple[str, str]] = ()) -> Layout:
+    """The rank's Layout: one component per group, plus ``extra`` (the aux component)."""
+    full = [g for g in groups if g.kind == "full"]
+    if len(full) > 1:
+        raise VllmLayoutError(
+            f"vLLM made {len(full)} full-attention KV-cache groups "
+            f"({[g.index for g in full]}); kvhandoff moves one paged KV component per request. "
+            f"Start vLLM with --disable-hybrid-kv-cache-manager or a model with one attention "
+            f"group")
+    components, regions = [], {}
+    for g in groups:
+        if g.kind not in KINDS:
+            raise VllmLayoutError(f"KV-cache group {g.index} ({g.spec}) has no kvhandoff state "
+                                  f"type yet; supported: {sorted(KINDS)}")
+        specs = []
+        for name in g.layer_names:
+            t = tensors.get(name)
+            if t is None:
+                raise VllmLayoutError(f"group {g.index} ({g.spec}) names layer {name!r}, which "
+                                      f"vLLM did not register a tensor for")
+            specs.append(_tensor(g, name, t, tp_size))
+            regions[t.base_ptr] = Region(ptr=t.base_ptr, nbytes=t.base_nbytes, memory=t.memory,
+                                         device=t.device)
+        components.append(Component(type=KINDS[g.kind], name=component_name(g),
+                                    tensors=tuple(specs)))
+    page = full[0].block_size if full else groups[0].block_size if groups else 1
+    return Layout(page_size=page, tp_rank=tp_rank, tp_size=tp_size,
+                  components=(*components, *extra),
+                  regions=(*sorted(regions.values(), key=lambda r: r.ptr), *extra_regions),
+                  identity=tuple(identity))
+
+
+def _tensor(g: GroupInfo, name: str, t: TensorInfo, tp_size: int) -> TensorSpec:
+    where = f"group {g.index} ({g.spec}) layer {name!r}"
+    item = t.block_bytes
+    # a view may end before its last block's stride does (padded pages): keep whole items
+    # that lie inside the backing allocation
+    end = t.base_ptr + t.base_nbytes
+    nbytes = min(t.num_blocks * item, (end - t.ptr) // item * item)
+    shard = None
+    if g.kind in ("full", "sliding"):
+        shard = _head_shard(g, where, t)
+        if shard is None and tp_size > 1:
+            raise VllmLayoutError(
+                f"{where}: pages of shape {t.shape} strides {t.strides} are not head-major "
+                f"[H, N, C] blocks, so TP {tp_size} cannot be sliced by head; use the LBHNC "
+                f"KV-cache layout")
+    elif g.kind == "mamba" and tp_size > 1:
+        raise VllmLayoutError(
+            f"{where}: vLLM hands Mamba/linear-attention state as raw padded pages, which "
+            f"kvhandoff does not slice per TP rank yet; run this model at TP 1 on both sides")
+    return TensorSpec(name=name, layer_id=layer_index(name), ptr=t.ptr, nbytes=nbytes,
+                      item_bytes=item, dtype=t.dtype if shard is not None else "uint8",
+                      shard=shard, memory=t.memory, device=t.device)
+
+
+def _head_shard(g: GroupInfo, where: str, t: TensorInfo) -> ShardSpec | None:
+    """``outer 1 × heads × (N·C bytes)`` for a dense head-major ``[B, H, N, C]`` block."""
+    if len(t.shape) != 4:
+        return None
+    _, h, n, c = t.shape
+    dense = (n * c, c, 1)
+    if tuple(t.strides[1:]) != dense or t.strides[0] != h * n * c:
+        return None
+    total = g.total_heads or h
+    if total % h and h != 1:
+        raise VllmLayoutError(f"{where}: {h} local KV heads do not divide the model's {total}")
+    return ShardSpec(outer=1, groups=(total,), inner_bytes=n * c * t.itemsize)
