@@ -54,6 +54,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("name", choices=BENCHMARKS, help="which benchmark")
     bench.add_argument("options", nargs=argparse.REMAINDER, help="its own flags, e.g. --quick")
 
+    proxy = sub.add_parser(
+        "vllm-proxy", help="a prefill/decode proxy in front of vLLM OpenAI servers",
+        description="Send each /v1/completions or /v1/chat/completions request to a prefill "
+                    "server (max_tokens 1, kv_transfer_params do_remote_decode), then to a "
+                    "decode server with the kv_transfer_params prefill answered; round robin "
+                    "over several of each.")
+    proxy.add_argument("--prefill", action="append", required=True, metavar="URL",
+                       help="a prefill server's base URL, e.g. http://127.0.0.1:8100 "
+                            "(repeat for several)")
+    proxy.add_argument("--decode", action="append", required=True, metavar="URL",
+                       help="a decode server's base URL (repeat for several)")
+    proxy.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    proxy.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
+    proxy.add_argument("--timeout", type=float, default=600.0,
+                       help="seconds each hop may take in total (default 600)")
+    proxy.add_argument("--max-body-bytes", type=int, default=64 * 2**20,
+                       help="largest request body and buffered answer (default 64 MiB)")
+
     args = parser.parse_args(argv)
     if args.version:
         from kvhandoff import __version__
@@ -77,6 +95,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvhandoff.session.bootstrap import serve
 
         return serve(args.host, args.port)
+    if args.command == "vllm-proxy":
+        from kvhandoff.integrations.vllm_proxy import serve as serve_proxy
+
+        return serve_proxy(args.prefill, args.decode, host=args.host, port=args.port,
+                           timeout=args.timeout, max_body_bytes=args.max_body_bytes)
     parser.print_help()
     return 0
 

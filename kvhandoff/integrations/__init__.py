@@ -1,0 +1,1 @@
+"""Integrations of kvhandoff with serving engines (vLLM)."""
