@@ -81,7 +81,7 @@ from kvhandoff.session.errors import (
     RequestAborted,
     SessionError,
 )
-from kvhandoff.session.groups import PrefillGroups
+from kvhandoff.session.groups import GroupState, PrefillGroups
 from kvhandoff.session.liveness import Liveness
 from kvhandoff.session.memory import TensorViews
 from kvhandoff.session.notices import NoticeRouter
@@ -280,6 +280,26 @@ class Agent:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def handshake(self, bootstrap_addr: str, *, instance: str | None = None,
+                  timeout: float | None = None) -> SessionError | None:
+        """Decode: look up and handshake prefill instance ``instance`` (DP rank 0) at
+        ``bootstrap_addr`` now instead of on the first request, so an incompatible pair
+        surfaces at start-up. Returns None once handshaken, else why not (a
+        :class:`~kvhandoff.session.errors.HandshakeError` names every incompatibility; a
+        :class:`BootstrapFailed` may only mean prefill is not up yet). A failed attempt is
+        forgotten: the first request tries again."""
+        from kvhandoff.session.receiver import bootstrap_url
+
+        if self._groups is None:
+            raise RuntimeError("handshake() is for decode agents")
+        group = self._groups.get((bootstrap_url(bootstrap_addr), instance or self.config.instance,
+                                  0))
+        group.wait(self.config.bootstrap_timeout if timeout is None else timeout)
+        if group.state is GroupState.READY:
+            return None
+        return group.error or BootstrapFailed(
+            f"prefill instance at {bootstrap_addr} not handshaken within the timeout")
 
     @property
     def live_requests(self) -> int:

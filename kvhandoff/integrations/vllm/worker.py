@@ -34,6 +34,8 @@ from kvhandoff.layout import Layout
 from kvhandoff.session.agent import Agent
 from kvhandoff.session.aux import AuxSpec
 from kvhandoff.session.config import SessionConfig
+from kvhandoff.session.errors import HandshakeError
+from kvhandoff.session.memory import host_view
 from kvhandoff.session.receiver import Receiver
 from kvhandoff.session.sender import Sender
 from kvhandoff.session.status import Status
@@ -112,6 +114,19 @@ class WorkerSide:
             self.agent = Agent.prefill(layout, bootstrap_url=bootstrap, config=config)
         else:
             self.agent = Agent.decode(layout, config=config)
+            self._check_pair(bootstrap)
+
+    def _check_pair(self, bootstrap: str) -> None:
+        """Decode: handshake prefill now, so an incompatible pair stops vLLM at start-up
+        (the message names every field that differs). A prefill that is not up yet is
+        handshaken on the first request instead."""
+        why = self.agent.handshake(bootstrap)
+        if isinstance(why, HandshakeError):
+            self.agent.close()
+            raise HandshakeError(f"kvhandoff refuses this prefill/decode pair: {why}")
+        if why is not None:
+            log.warning("kvhandoff: no prefill handshaken at start-up (%s); the first "
+                        "request will try again", why)
 
     # --- per step --------------------------------------------------------------------
 
@@ -167,7 +182,8 @@ class WorkerSide:
 
     def finished(self) -> tuple[set[str], set[str]]:
         """(finished sends, finished receives) since the last call."""
-        sending, recving = set(), set()
+        sending: set[str] = set()
+        recving: set[str] = set()
         for rid, o in list(self._out.items()):
             st = o.sender.poll()
             if st in (Status.SUCCESS, Status.FAILED) and o.sender.settled:
@@ -185,7 +201,8 @@ class WorkerSide:
             rec = e.receiver
             st = rec.poll() if rec is not None else Status.FAILED
             if st is Status.SUCCESS:
-                self._dump("decode", rec.request_id if rec else rid, e.lists)
+                self._dump("decode", rec.request_id if rec else rid, e.lists,
+                           ms=1e3 * (time.monotonic() - e.started))
                 self.stats.received += 1
                 self.stats.bytes_received += e.nbytes
                 self.stats.transfer_s.append(time.monotonic() - e.started)
@@ -202,16 +219,20 @@ class WorkerSide:
             (sending if e.aborted else recving).add(rid)
         return sending, recving
 
-    def _dump(self, side: str, rid: object, lists: tuple[tuple[int, ...], ...]) -> None:
-        """With ``KVHANDOFF_VLLM_DUMP=FILE``, append a digest of every component's moving
-        blocks (tests compare prefill's with decode's, byte for byte)."""
+    def _dump(self, side: str, rid: object, lists: tuple[tuple[int, ...], ...],
+              ms: float | None = None) -> None:
+        """With ``KVHANDOFF_VLLM_DUMP=FILE``, append per component a digest of its moving
+        blocks (tests compare prefill's with decode's, byte for byte) and their bytes;
+        decode adds the handoff's milliseconds (Receiver opened → SUCCESS)."""
         path = os.environ.get("KVHANDOFF_VLLM_DUMP")
         if not path:
             return
-        rows = [{"side": side, "request": str(rid), "component": name, "blocks": len(blocks),
-                 "sha256": hashlib.sha256(
-                     block_bytes(self.layout, name, list(blocks)).tobytes()).hexdigest()}
-                for name, blocks in zip(self.names, lists, strict=True)]
+        rows = []
+        for name, blocks in zip(self.names, lists, strict=True):
+            data = block_bytes(self.layout, name, list(blocks))
+            rows.append({"side": side, "request": str(rid), "component": name,
+                         "blocks": len(blocks), "bytes": len(data), "ms": ms,
+                         "sha256": hashlib.sha256(data.tobytes()).hexdigest()})
         with open(path, "a") as f:
             f.write("".join(json.dumps(r) + "\n" for r in rows))
 
@@ -232,13 +253,7 @@ class WorkerSide:
 
 
 def block_bytes(layout: Layout, name: str, blocks: list[int]) -> np.ndarray[Any, Any]:
-    """A copy of ``blocks`` of every tensor of component ``name`` (for byte comparisons)."""
-    import ctypes
-
-    c = next(c for c in layout.components if c.name == name)
-    parts = []
-    for t in c.tensors:
-        for b in blocks:
-            buf = (ctypes.c_uint8 * t.item_bytes).from_address(t.ptr + b * t.item_bytes)
-            parts.append(np.frombuffer(buf, np.uint8).copy())
+    """``blocks`` of every tensor of component ``name``, concatenated (for comparisons)."""
+    c = layout.component(name)
+    parts = [host_view(t.ptr + b * t.item_bytes, t.item_bytes) for t in c.tensors for b in blocks]
     return np.concatenate(parts) if parts else np.zeros(0, np.uint8)
