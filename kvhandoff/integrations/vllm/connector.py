@@ -39,6 +39,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from kvhandoff.integrations.vllm.layout import GroupInfo, TensorInfo, build_layout
+from kvhandoff.integrations.vllm.metrics import KvhandoffPromMetrics, KvhandoffStats
 from kvhandoff.integrations.vllm.requests import StepMeta, backoff, rules_for
 from kvhandoff.integrations.vllm.scheduler import SchedulerConfig, SchedulerSide
 from kvhandoff.integrations.vllm.worker import AuxRows, WorkerSide
@@ -166,6 +167,22 @@ class KvhandoffConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             return None, None
         sending, recving = self._worker.finished()
         return sending or None, recving or None
+
+    def get_kv_connector_stats(self) -> KvhandoffStats | None:
+        if self._worker is None or self._worker.stats.empty():
+            return None
+        return KvhandoffStats(data=self._worker.stats.take())
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvhandoffStats:
+        return KvhandoffStats(data=dict(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[Any, Any],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KvhandoffPromMetrics:
+        return KvhandoffPromMetrics(vllm_config, metric_types, labelnames,
+                                    per_engine_labelvalues)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.load_errors() if self._worker is not None else set()

