@@ -79,6 +79,11 @@ def create_transport(name: str = DEFAULT, **options: Any) -> Transport:
     return cls(**options)
 
 
+CUDA_TESTED: dict[str, str] = {"nixl": "untested", "mooncake": "untested"}
+"""Transports that register device memory (their ``cuda=True`` option), and whether that
+path has run on a GPU: it has not yet, and ``kvhandoff transports`` says so."""
+
+
 def describe_transports() -> list[str]:
     """One line per known transport, for ``kvhandoff transports``: its name, whether it
     can run here, and why: the engine version when it can, what is missing and how to
@@ -96,6 +101,8 @@ def describe_transports() -> list[str]:
                              "same host" if caps.cross_process else "in-process")
                 if caps.needs_allocate:
                     notes.append("destinations from allocate()")
+        if name in CUDA_TESTED:
+            notes.append(f"CUDA: {CUDA_TESTED[name]}")
         tail = f"  [{', '.join(notes)}]" if notes else ""
         lines.append(f"{name:<9} {'usable' if ok else 'NOT usable':<10}  {reason}{tail}")
     return lines

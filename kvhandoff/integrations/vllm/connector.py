@@ -46,6 +46,7 @@ from kvhandoff.integrations.vllm.worker import AuxRows, WorkerSide
 from kvhandoff.layout import MemoryKind, Region
 from kvhandoff.session.config import SessionConfig
 from kvhandoff.session.receiver import bootstrap_url
+from kvhandoff.transport.registry import CUDA_TESTED
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -132,6 +133,15 @@ class KvhandoffConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
         tp = self._vllm_config.parallel_config.tensor_parallel_size
         rank = get_tensor_model_parallel_rank() if tp > 1 else 0
+        session = self.session
+        if any(t.device.type == "cuda" for t in kv_caches.values()):
+            if session.transport not in CUDA_TESTED:
+                raise ValueError(
+                    f"vLLM's KV cache is in GPU memory, which transport {session.transport!r} "
+                    f"cannot move; use one of {sorted(CUDA_TESTED)} "
+                    f"(kv_connector_extra_config.transport)")
+            session = session.replace(
+                transport_options={**session.transport_options, "cuda": True})
         rows = AuxRows(self._aux_rows)
         aux = rows.component.tensors[0]
         layout = build_layout(
@@ -141,7 +151,7 @@ class KvhandoffConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         kv = next((f"g{g.index}.{g.kind}" for g in self.groups if g.kind in ("full", "mla")),
                   None)
         self._worker = WorkerSide(layout, rows, producer=self.producer,
-                                  bootstrap=self.bootstrap, config=self.session, kv_name=kv)
+                                  bootstrap=self.bootstrap, config=session, kv_name=kv)
         log.info("kvhandoff %s worker tp %d/%d ready: %s", "prefill" if self.producer
                  else "decode", rank, tp, layout.describe())
 

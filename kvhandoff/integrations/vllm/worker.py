@@ -320,5 +320,5 @@ class WorkerSide:
 def block_bytes(layout: Layout, name: str, blocks: list[int]) -> np.ndarray[Any, Any]:
     """``blocks`` of every tensor of component ``name``, concatenated (for comparisons)."""
     c = layout.component(name)
-    parts = [host_view(t.ptr + b * t.item_bytes, t.item_bytes) for t in c.tensors for b in blocks]
+    parts = [host_view(t.ptr + b * t.item_stride, t.item_bytes) for t in c.tensors for b in blocks]
     return np.concatenate(parts) if parts else np.zeros(0, np.uint8)
