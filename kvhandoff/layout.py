@@ -3,7 +3,13 @@
 Vocabulary (DESIGN §3):
 
 * An **item** is the unit an index addresses in one tensor: a page of one layer,
-  one Mamba slot, one ring row, one aux row. ``addr = ptr + index * item_bytes``.
+  one Mamba slot, one ring row, one aux row. ``addr = ptr + index * item_stride``,
+  and the item is the ``item_bytes`` bytes from there. The stride is ``item_bytes``
+  unless the tensor says otherwise: a *padded* opaque item (``stride > item_bytes``)
+  leaves bytes between items that belong to something else or to nobody (vLLM stores
+  a Mamba layer's conv and SSM state in one raw page each; two tensors of the same
+  stride, one at the page's start and one at the SSM state's offset, describe them
+  so that each shards on its own).
 * An item may hold several **rows** (``rows``), laid out one after another:
   ``RowKind.TOKEN`` rows are token rows of a KV page (so a page of 16 tokens on
   prefill can be re-paged to 32 on decode); ``RowKind.RING`` rows are ring rows
@@ -118,10 +124,19 @@ class ShardSpec:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TensorSpec:
-    """One registered tensor: ``nbytes`` at ``ptr``, indexed in ``item_bytes`` strides.
+    """One registered tensor: ``nbytes`` at ``ptr``, indexed in items of ``item_bytes``
+    bytes, ``item_stride`` bytes apart.
 
     ``item_bytes == 0`` marks an *elided* tensor (a layer that keeps its place in
     the list but holds nothing, e.g. a DSA skip-top-k layer); it moves nothing.
+
+    ``stride``: bytes from one item's start to the next; 0 (the default) means
+    ``item_bytes`` (a stride equal to ``item_bytes`` is stored as 0, so the two
+    spellings compare equal). A larger stride pads items: only the first
+    ``item_bytes`` of each stride are the item; the rest is never read or written.
+    Only opaque (``RowKind.ITEM``) tensors may pad: token and ring rows are addressed
+    as consecutive rows. The stride is rank-local, like ``ptr`` and ``nbytes``
+    (padding may differ by TP size): it is no part of :meth:`geometry`.
     """
 
     name: str
@@ -129,6 +144,7 @@ class TensorSpec:
     ptr: int
     nbytes: int
     item_bytes: int
+    stride: int = 0
     dtype: str = "uint8"
     rows: int = 1
     row_kind: RowKind = RowKind.ITEM
@@ -140,10 +156,17 @@ class TensorSpec:
         where = f"tensor {self.name!r} (layer {self.layer_id})"
         if not self.name:
             raise LayoutError("a tensor needs a non-empty name")
-        if self.ptr < 0 or self.nbytes < 0 or self.item_bytes < 0:
+        if self.ptr < 0 or self.nbytes < 0 or self.item_bytes < 0 or self.stride < 0:
             raise LayoutError(
-                f"{where}: ptr, nbytes and item_bytes must be >= 0, got ptr={self.ptr}, "
-                f"nbytes={self.nbytes}, item_bytes={self.item_bytes}"
+                f"{where}: ptr, nbytes, item_bytes and stride must be >= 0, got ptr={self.ptr}, "
+                f"nbytes={self.nbytes}, item_bytes={self.item_bytes}, stride={self.stride}"
+            )
+        if self.stride == self.item_bytes:
+            object.__setattr__(self, "stride", 0)
+        if self.stride and self.stride < self.item_bytes:
+            raise LayoutError(
+                f"{where}: stride {self.stride} is smaller than one item ({self.item_bytes} B); "
+                f"items would overlap"
             )
         if self.layer_id < NO_LAYER:
             raise LayoutError(f"{where}: layer_id must be >= 0 or NO_LAYER (-1)")
@@ -151,6 +174,11 @@ class TensorSpec:
             raise LayoutError(f"{where}: rows must be >= 1, got {self.rows}")
         if self.row_kind is RowKind.ITEM and self.rows != 1:
             raise LayoutError(f"{where}: an opaque (ITEM) tensor has rows=1, got {self.rows}")
+        if self.stride and self.row_kind is not RowKind.ITEM:
+            raise LayoutError(
+                f"{where}: stride {self.stride} != item_bytes {self.item_bytes}, but only opaque "
+                f"(ITEM) tensors may pad their items; {self.row_kind.value} rows are contiguous"
+            )
         if self.item_bytes and self.item_bytes % self.rows:
             raise LayoutError(
                 f"{where}: item_bytes {self.item_bytes} is not a whole number of its "
@@ -175,9 +203,18 @@ class TensorSpec:
         return self.item_bytes == 0
 
     @property
+    def item_stride(self) -> int:
+        """Bytes from one item's start to the next: ``stride``, or ``item_bytes`` when 0."""
+        return self.stride or self.item_bytes
+
+    @property
     def capacity(self) -> int:
-        """How many items fit in the tensor."""
-        return self.nbytes // self.item_bytes if self.item_bytes else 0
+        """How many items fit in the tensor: item ``i`` spans
+        ``[i * item_stride, i * item_stride + item_bytes)``, so the last one needs no
+        padding after it."""
+        if not self.item_bytes or self.nbytes < self.item_bytes:
+            return 0
+        return (self.nbytes - self.item_bytes) // self.item_stride + 1
 
     @property
     def row_bytes(self) -> int:
@@ -380,10 +417,10 @@ def _model_signature(layout: Layout) -> str:
 
 
 def _signature(layout: Layout) -> str:
-    parts = []
+    parts: list[object] = []
     for c in sorted(layout.components, key=lambda c: c.name):
         kinds = sorted({json.dumps([t.name, *t.geometry()], default=str) for t in c.tensors})
         parts.append([c.name, c.type.value, kinds])
     if layout.identity:  # absent from the hash when unused, so older signatures stay put
-        parts.append(["identity", sorted(layout.identity)])
+        parts.append(["identity", [list(kv) for kv in sorted(layout.identity)]])
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]

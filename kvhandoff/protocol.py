@@ -233,7 +233,12 @@ class ShardMsg(_Record, frozen=True):
     inner_bytes: int
 
 
-class TensorMsg(_Record, frozen=True):
+class TensorMsg(_Record, frozen=True, omit_defaults=True):
+    """A :class:`~kvhandoff.layout.TensorSpec`. ``stride`` (padded items) was added
+    without a protocol version bump: 0 is omitted on the wire, so a layout without
+    padded items encodes as before, and a peer that predates the field refuses one
+    with padded items (an unknown field) instead of misplacing its bytes."""
+
     name: str
     layer_id: int
     ptr: NonNeg
@@ -245,6 +250,7 @@ class TensorMsg(_Record, frozen=True):
     shard: ShardMsg | None
     memory: MemoryKind
     device: int
+    stride: NonNeg = 0
 
 
 class ComponentMsg(_Record, frozen=True):
@@ -298,7 +304,8 @@ def _tensor_msg(t: TensorSpec) -> TensorMsg:
     s = t.shard
     return TensorMsg(
         name=t.name, layer_id=t.layer_id, ptr=t.ptr, nbytes=t.nbytes, item_bytes=t.item_bytes,
-        dtype=t.dtype, rows=t.rows, row_kind=t.row_kind, memory=t.memory, device=t.device,
+        stride=t.stride, dtype=t.dtype, rows=t.rows, row_kind=t.row_kind, memory=t.memory,
+        device=t.device,
         shard=None if s is None else ShardMsg(outer=s.outer, groups=s.groups,
                                               inner_bytes=s.inner_bytes),
     )
@@ -336,7 +343,8 @@ def _tensor_from(t: TensorMsg) -> TensorSpec:
     s = t.shard
     return TensorSpec(
         name=t.name, layer_id=t.layer_id, ptr=t.ptr, nbytes=t.nbytes, item_bytes=t.item_bytes,
-        dtype=t.dtype, rows=t.rows, row_kind=t.row_kind, memory=t.memory, device=t.device,
+        stride=t.stride, dtype=t.dtype, rows=t.rows, row_kind=t.row_kind, memory=t.memory,
+        device=t.device,
         shard=None if s is None else ShardSpec(outer=s.outer, groups=s.groups,
                                                inner_bytes=s.inner_bytes),
     )

@@ -131,8 +131,8 @@ def _component_general(
 
 def _tensor_plan(name: str, tp: TensorPair, u: Units, by_row: bool) -> TensorPlan:
     pcs = tp.row_pieces if by_row else tp.item_pieces
-    s_unit = tp.src.row_bytes if by_row else tp.src.item_bytes
-    d_unit = tp.dst.row_bytes if by_row else tp.dst.item_bytes
+    s_unit = tp.src.row_bytes if by_row else tp.src.item_stride
+    d_unit = tp.dst.row_bytes if by_row else tp.dst.item_stride
     s_ext, d_ext = tp.row_extent if by_row else tp.item_extent
     _bounds(name, tp.src, "prefill", u.src_range, s_unit, s_ext)
     _bounds(name, tp.dst, "decode", u.dst_range, d_unit, d_ext)

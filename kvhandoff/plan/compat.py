@@ -233,8 +233,8 @@ def unit_table(name: str, tensors: tuple[TensorPair, ...], first_row: bool) -> U
         if not len(tp.item_pieces):
             continue
         pcs = tp.row_pieces if by_row else tp.item_pieces
-        s_unit = tp.src.row_bytes if by_row else tp.src.item_bytes
-        d_unit = tp.dst.row_bytes if by_row else tp.dst.item_bytes
+        s_unit = tp.src.row_bytes if by_row else tp.src.item_stride
+        d_unit = tp.dst.row_bytes if by_row else tp.dst.item_stride
         s_ext, d_ext = tp.row_extent if by_row else tp.item_extent
         lim[0] = min(lim[0], _max_index(s_unit, s_ext, tp.src.nbytes))
         lim[1] = min(lim[1], _max_index(d_unit, d_ext, tp.dst.nbytes))

@@ -46,4 +46,5 @@ class TensorViews:
         buf = self.tensor(t)
         if buf is None or not 0 <= index < t.capacity:
             return None
-        return buf[index * t.item_bytes:(index + 1) * t.item_bytes]
+        start = index * t.item_stride
+        return buf[start:start + t.item_bytes]

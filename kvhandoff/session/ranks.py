@@ -238,7 +238,9 @@ def _one_item(t: TensorSpec, tp_rank: int, tp_size: int) -> TensorSpec:
     item = t.item_bytes
     if t.shard is not None and not t.elided:
         item = t.shard.local_item_bytes(tp_rank, tp_size)
-    return dataclasses.replace(t, ptr=0, nbytes=item, item_bytes=item)
+    # one packed item: a peer's padding (its stride) is unknown and may be smaller than
+    # this item at another TP size
+    return dataclasses.replace(t, ptr=0, nbytes=item, item_bytes=item, stride=0)
 
 
 def _check_rank(what: str, rank: int, size: int) -> None:

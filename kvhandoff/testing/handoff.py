@@ -304,7 +304,7 @@ class Verifier:
             ax = aux_name(self.dst)
             if ax is not None:
                 t = self.dst.component(ax).tensors[0]
-                row0 = t.ptr + (rp.block + 1) * t.item_bytes
+                row0 = t.ptr + (rp.block + 1) * t.item_stride
                 free = np.concatenate([free, np.arange(row0, row0 + t.item_bytes)])
             # anything goes there: expect what is there
             place(expected, self.arena.bufs, free, HostMemory(self.arena.bufs).read(free))

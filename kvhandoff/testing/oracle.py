@@ -11,6 +11,8 @@ Semantics implemented (the contract the planner is checked against):
   nothing. A ``NO_LAYER`` tensor is written only by the last prefill PP stage.
 * Index lists pair per the component's policy: ``exact`` needs equal lengths
   (else :class:`IndexLengthMismatch`), ``trim`` keeps the common prefix.
+* Item ``i`` of a tensor starts at ``ptr + i * stride`` (``stride`` 0: ``item_bytes``)
+  and is its first ``item_bytes`` bytes; padding after it is never written.
 * Whole items move for ``ITEM`` tensors and for TOKEN/RING tensors with equal
   ``rows`` and no first-row offsets. TOKEN tensors otherwise move token rows of
   the concatenated pages; RING tensors with different ring sizes move the row of
@@ -216,12 +218,17 @@ def _units(comp: Component, st: TensorSpec, dt: TensorSpec, idx: Indices
     return units, False, trim
 
 
+def _stride(t: TensorSpec) -> int:
+    """Bytes between item starts, read off the record's fields (0: items are packed)."""
+    return t.stride if t.stride else t.item_bytes
+
+
 def _item(t: TensorSpec, item: int) -> int:
-    return t.ptr + item * t.item_bytes
+    return t.ptr + item * _stride(t)
 
 
 def _row(t: TensorSpec, item: int, row: int) -> int:
-    return t.ptr + item * t.item_bytes + row * t.row_bytes
+    return t.ptr + item * _stride(t) + row * t.row_bytes
 
 
 def _token_units(comp: Component, st: TensorSpec, dt: TensorSpec, idx: Indices

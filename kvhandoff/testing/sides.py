@@ -384,7 +384,7 @@ class DecodeSide(_Side):
             if buf is None:
                 continue
             for p in idx.dst.tolist():
-                buf[p * t.item_bytes:(p + 1) * t.item_bytes] = MARKER
+                buf[p * t.item_stride:p * t.item_stride + t.item_bytes] = MARKER
         with self._lock:
             self.marked.setdefault(agent.name, []).append((rp, kv))
 
@@ -420,7 +420,7 @@ class DecodeSide(_Side):
                 buf = views.tensor(t)
                 if buf is None:
                     continue
-                rows = np.stack([buf[p * t.item_bytes:(p + 1) * t.item_bytes]
+                rows = np.stack([buf[p * t.item_stride:p * t.item_stride + t.item_bytes]
                                  for p in idx.dst.tolist()]) if len(idx.dst) else None
                 if rows is not None and not (rows == MARKER).all():
                     out.append(f"{name}: request {rp.rid!r} tensor {t.name} layer {t.layer_id}: "

@@ -170,3 +170,67 @@ def test_no_layer_tensors_and_elided_tensors_are_valid() -> None:
     assert lay.component("nsa").tensors[0].elided
     with pytest.raises(KeyError, match="no component 'kv'"):
         lay.component("kv")
+
+
+# --- padded items: `stride` ------------------------------------------------------------
+
+CONV = ShardSpec.axis(axis=256, inner_bytes=6, groups=(64, 64, 128))  # 1536 B at TP 1
+
+
+def conv_tensor(**kw: object) -> TensorSpec:
+    """A Mamba conv state at the start of 64 KiB pages: 768 B at TP rank 0/2."""
+    args: dict[str, object] = dict(name="conv", layer_id=0, ptr=1 << 20, nbytes=4 * 65536,
+                                   item_bytes=768, stride=65536, shard=CONV)
+    args.update(kw)
+    return TensorSpec(**args)  # type: ignore[arg-type]
+
+
+def test_padded_items_are_addressed_by_the_stride() -> None:
+    t = conv_tensor()
+    assert (t.stride, t.item_stride, t.item_bytes) == (65536, 65536, 768)
+    assert t.capacity == 4
+    # the last item needs only its own bytes, not the padding after it
+    assert conv_tensor(nbytes=3 * 65536 + 768).capacity == 4
+    assert conv_tensor(nbytes=3 * 65536 + 767).capacity == 3
+    packed = conv_tensor(stride=0)
+    assert (packed.item_stride, packed.capacity) == (768, 4 * 65536 // 768)
+
+
+def test_a_stride_equal_to_the_item_is_stored_as_zero() -> None:
+    assert conv_tensor(stride=768) == conv_tensor(stride=0)
+    assert conv_tensor(stride=768).stride == 0
+    assert kv_tensor(stride=16 * 4 * 256).stride == 0  # also for token rows: no padding
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        (dict(stride=512), r"tensor 'conv' \(layer 0\): stride 512 is smaller than one item "
+                           r"\(768 B\)"),
+        (dict(stride=-1), r"tensor 'conv' \(layer 0\): .*stride=-1"),
+        (dict(nbytes=767), "smaller than one item"),
+    ],
+)
+def test_bad_strides_are_refused(kw: dict[str, object], match: str) -> None:
+    with pytest.raises(LayoutError, match=match):
+        conv_tensor(**kw)
+
+
+@pytest.mark.parametrize("kind", [RowKind.TOKEN, RowKind.RING])
+def test_only_opaque_items_may_be_padded(kind: RowKind) -> None:
+    with pytest.raises(LayoutError, match=rf"tensor 'k' \(layer 0\): stride 32768 != item_bytes "
+                                          rf"16384, .*only opaque \(ITEM\).*{kind.value} rows"):
+        kv_tensor(stride=32768, row_kind=kind)
+
+
+def test_the_stride_is_no_part_of_the_signature() -> None:
+    """Padding differs by TP size (and engine); both sides agree on the items only."""
+    def lay(t: TensorSpec) -> Layout:
+        comp = Component(type=StateType.MAMBA, name="mamba", tensors=(t,))
+        return Layout(page_size=16, tp_size=2, components=(comp,))
+
+    padded, other, packed = (lay(conv_tensor()), lay(conv_tensor(stride=4096)),
+                             lay(conv_tensor(stride=0)))
+    assert conv_tensor().geometry() == conv_tensor(stride=0).geometry()
+    assert padded.signature == other.signature == packed.signature
+    assert padded != packed

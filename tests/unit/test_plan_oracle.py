@@ -1,7 +1,8 @@
 """The planner against the naive oracle (``kvhandoff.testing.oracle``), byte for byte.
 
 Random models (components of every row kind, sharded/replicated/elided tensors,
-GQA replication, grouped axes, outer rows, re-paging, ring resizing, PP splits)
+GQA replication, grouped axes, outer rows, re-paging, ring resizing, PP splits,
+padded items)
 are laid out in real numpy buffers; every prefill rank is planned against one
 decode rank and the union of the plans must move exactly the oracle's bytes.
 A few hand-written cases pin the oracle itself to whole-array numpy reasoning.
@@ -19,8 +20,16 @@ import pytest
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
-from kvhandoff.errors import IndexLengthMismatch, PlanError, TrimWarning
-from kvhandoff.layout import NO_LAYER, Component, Layout, RowKind, ShardSpec, TensorSpec
+from kvhandoff.errors import IndexLengthMismatch, OutOfBounds, PlanError, TrimWarning
+from kvhandoff.layout import (
+    NO_LAYER,
+    Component,
+    Layout,
+    Region,
+    RowKind,
+    ShardSpec,
+    TensorSpec,
+)
 from kvhandoff.plan import Indices, Plan, Segments, execute, plan
 from kvhandoff.plan.execute import HostMemory
 from kvhandoff.state_types import LengthPolicy, StateType, policy
@@ -57,6 +66,7 @@ class TensorDef:
     shard: tuple[int, tuple[int, ...], int] | None  # (outer rows per row, groups, inner bytes)
     row_bytes: int  # bytes of one row when replicated
     elided: frozenset[int]  # layer ids (or NO_LAYER) where the tensor holds nothing
+    pad: tuple[int, int] = (0, 0)  # (prefill, decode) padding after each ITEM item
 
 
 @dataclass(frozen=True)
@@ -112,8 +122,11 @@ def tensor_spec(td: TensorDef, c: CompDef, side: int, layer: int, tp_rank: int, 
         per_row, groups, inner = td.shard
         shard = ShardSpec(outer=per_row * rows, groups=groups, inner_bytes=inner)
         item = shard.local_item_bytes(tp_rank, tp_size)
-    return TensorSpec(name=td.name, layer_id=layer, ptr=ptr, nbytes=item * c.caps[side],
-                      item_bytes=item, rows=rows, row_kind=c.kind, shard=shard)
+    # padded items: the last one ends the tensor (no padding after it)
+    stride = item + td.pad[side] if c.kind is RowKind.ITEM else item
+    return TensorSpec(name=td.name, layer_id=layer, ptr=ptr,
+                      nbytes=stride * (c.caps[side] - 1) + item, item_bytes=item,
+                      stride=stride, rows=rows, row_kind=c.kind, shard=shard)
 
 
 def build_rank(case: Case, side: int, tp_rank: int, pp_rank: int, rng: np.random.Generator
@@ -205,7 +218,9 @@ def tensor_defs(draw: st.DrawFn, name: str, tp: tuple[int, int], layered: bool,
         shard = (draw(st.integers(1, 2)), groups, draw(st.sampled_from([1, 2, 3])))
     ids = list(range(layers)) if layered else [NO_LAYER]
     elided = {draw(st.sampled_from(ids))} if draw(rarely()) else set()
-    return TensorDef(name, layered, shard, draw(st.integers(1, 5)), frozenset(elided))
+    pads = st.sampled_from([0, 0, 1, 3, 8])
+    return TensorDef(name, layered, shard, draw(st.integers(1, 5)), frozenset(elided),
+                     (draw(pads), draw(pads)))
 
 
 @st.composite
@@ -418,6 +433,7 @@ def features(case: Case, want: ByteMap) -> list[str]:
             out += ["gqa"] if any(g < max(case.tp) for g in groups) else []
             out += ["groups"] if len(groups) > 1 else []
             out += ["outer"] if td.shard and td.shard[0] > 1 else []
+            out += ["padded"] if c.kind is RowKind.ITEM and any(td.pad) else []
     return sorted(set(out))
 
 
@@ -665,3 +681,160 @@ def test_caller_index_arrays_untouched() -> None:
     np.testing.assert_array_equal(src_pages, [3, 1, 2])
     np.testing.assert_array_equal(dst_pages, [0, 2, 1])
     assert src_pages.flags.writeable and dst_pages.flags.writeable
+
+
+# ------------------------------------------------------------------ padded items
+
+CONV_SHARD = ShardSpec.axis(axis=256, inner_bytes=6, groups=(64, 64, 128))  # q | k | v
+SSM_SHARD = ShardSpec.axis(axis=8, inner_bytes=128)  # 8 heads x 128 B
+SLOTS = 4
+
+
+def mamba_rank(tp_rank: int, tp_size: int, page: int, side: int, rng: np.random.Generator,
+               ssm_short: int = 0) -> Rank:
+    """vLLM's Mamba layout: one pool of ``SLOTS`` raw pages of ``page`` bytes, each holding
+    the rank's conv state at offset 0, its SSM state right after it, then padding. Conv
+    and SSM are two tensors over the same pages (same stride, different offsets), each
+    sharded its own way. The SSM tensor ends with the last slot's SSM state (no padding
+    after it), ``ssm_short`` bytes earlier when given."""
+    conv = CONV_SHARD.local_item_bytes(tp_rank, tp_size)
+    ssm = SSM_SHARD.local_item_bytes(tp_rank, tp_size)
+    assert conv + ssm <= page
+    buf = np.empty(GAP + page * SLOTS + GAP, dtype=np.uint8)
+    if side == SRC:
+        buf[:] = rng.integers(0, 256, size=len(buf), dtype=np.uint8)
+    else:
+        buf[:] = (np.arange(len(buf)) * 7 + 3) % 256
+    mem = HostMemory()
+    base = mem.add(buf) + GAP
+    tensors = (
+        TensorSpec(name="conv", layer_id=0, ptr=base, nbytes=page * SLOTS, item_bytes=conv,
+                   stride=page, shard=CONV_SHARD),
+        TensorSpec(name="ssm", layer_id=0, ptr=base + conv,
+                   nbytes=page * (SLOTS - 1) + ssm - ssm_short, item_bytes=ssm, stride=page,
+                   shard=SSM_SHARD),
+    )
+    layout = Layout(page_size=16, tp_rank=tp_rank, tp_size=tp_size,
+                    components=(Component(type=StateType.MAMBA, name="mamba", tensors=tensors),),
+                    regions=(Region(ptr=base, nbytes=page * SLOTS),))
+    return Rank(layout, mem, buf)
+
+
+def item_bytes_of(t: TensorSpec, slot: int) -> I64:
+    """Absolute addresses of item ``slot`` of ``t``: its ``item_bytes`` and nothing else."""
+    return np.arange(t.item_bytes, dtype=np.int64) + t.ptr + slot * t.item_stride
+
+
+def global_state(srcs: Sequence[Rank], name: str, shard: ShardSpec, slot: int) -> np.ndarray:
+    """Item ``slot`` of tensor ``name``, reassembled from every prefill rank as the global
+    ``(axis, inner)`` array (each group concatenated from the ranks' shares)."""
+    local = []
+    for r in srcs:
+        t = next(t for t in r.layout.component("mamba").tensors if t.name == name)
+        local.append(r.mem.read(item_bytes_of(t, slot)).reshape(-1, shard.inner_bytes))
+    return gdn_global(local, shard.groups, len(srcs))
+
+
+def local_share(full: np.ndarray, shard: ShardSpec, tp_rank: int, tp_size: int) -> np.ndarray:
+    """What rank ``tp_rank`` of ``tp_size`` holds of a global ``(axis, inner)`` item."""
+    parts, start = [], 0
+    for g, r in zip(shard.groups, shard.ranges(tp_rank, tp_size), strict=True):
+        parts.append(full[start + r.start:start + r.start + r.length])
+        start += g
+    return np.concatenate(parts)
+
+
+# (prefill TP, decode TP, prefill page bytes, decode page bytes): conv + SSM take 2560 B
+# of a page at TP 1, 1280 at TP 2, 640 at TP 4; the padding differs by TP (and engine)
+PADDED_CASES = [
+    (1, 2, 4096, 2048),
+    (2, 1, 2048, 4096),
+    (2, 4, 2048, 1024),
+    (2, 4, 1536, 640),  # decode: SSM state ends each page exactly
+    (4, 2, 1024, 1280),  # decode: conv + SSM fill the page, no padding at all
+    (2, 2, 2048, 2048),  # equal strides
+    (2, 2, 1536, 2048),
+]
+
+
+@pytest.mark.parametrize(("tp_s", "tp_d", "page_s", "page_d"), PADDED_CASES)
+def test_padded_conv_and_ssm_share_pages(tp_s: int, tp_d: int, page_s: int, page_d: int
+                                         ) -> None:
+    """Conv and SSM states of one Mamba layer in shared raw pages, sharded differently:
+    every decode rank gets exactly its share of both, from the right prefill ranks, and
+    no byte of the padding, of the other state or of another slot is written."""
+    for dst_rank in range(tp_d):
+        for s_slot, d_slot in ((SLOTS - 1, 1), (0, SLOTS - 1), (2, 2)):
+            rng = np.random.default_rng(100 * dst_rank + 10 * s_slot + d_slot)
+            srcs = [mamba_rank(r, tp_s, page_s, SRC, rng) for r in range(tp_s)]
+            dst = mamba_rank(dst_rank, tp_d, page_d, DST, rng)
+            request: dict[str, Indices | None] = {"mamba": Indices([s_slot], [d_slot])}
+            want = expected_writes([r.layout for r in srcs], dst.layout, request)
+            plans, _ = plan_all(srcs, dst, request)
+            assert_same_map(plans, want)
+            for p in plans:
+                assert_coalesce_same(p)
+            # every planned byte lies in its own tensor's items, on both sides
+            for p, r in zip(plans, srcs, strict=True):
+                for e in p.entries:
+                    st_ = next(t for t in r.layout.component("mamba").tensors
+                               if t.name == e.tensor)
+                    dt_ = next(t for t in dst.layout.component("mamba").tensors
+                               if t.name == e.tensor)
+                    s, d = expand(e.segments())
+                    assert np.isin(s, item_bytes_of(st_, s_slot)).all()
+                    assert np.isin(d, item_bytes_of(dt_, d_slot)).all()
+            # together the prefill ranks write the decode slot's two items, nothing else
+            conv_t, ssm_t = dst.layout.component("mamba").tensors
+            items = np.concatenate([item_bytes_of(conv_t, d_slot), item_bytes_of(ssm_t, d_slot)])
+            np.testing.assert_array_equal(want.dst, np.sort(items))
+            assert_execute_matches(plans, srcs, dst, want)
+            # and the bytes are the right ones: the decode rank's share of the global states
+            for t, shard in ((conv_t, CONV_SHARD), (ssm_t, SSM_SHARD)):
+                full = global_state(srcs, t.name, shard, s_slot)
+                got = dst.mem.read(item_bytes_of(t, d_slot)).reshape(-1, shard.inner_bytes)
+                np.testing.assert_array_equal(got, local_share(full, shard, dst_rank, tp_d))
+
+
+def test_padded_items_past_the_tensor_are_out_of_bounds() -> None:
+    """Bounds count items by the stride, and the last item needs only its own bytes."""
+    rng = np.random.default_rng(0)
+    srcs = [mamba_rank(r, 2, 2048, SRC, rng) for r in range(2)]
+    dst = mamba_rank(0, 1, 4096, DST, rng)
+    for bad in ({"mamba": Indices([SLOTS], [0])}, {"mamba": Indices([0], [SLOTS])}):
+        with pytest.raises(OutOfBounds, match=r"tensor \('conv', 0\)"):
+            expected_writes([r.layout for r in srcs], dst.layout, bad)
+        with pytest.raises(OutOfBounds, match="tensor 'conv' layer 0"):
+            plan(srcs[0].layout, dst.layout, bad)
+    # an SSM tensor one byte short of its last item: that slot is out of bounds for SSM
+    short = mamba_rank(0, 1, 4096, DST, rng, ssm_short=1)
+    assert [t.capacity for t in short.layout.component("mamba").tensors] == [SLOTS, SLOTS - 1]
+    req: dict[str, Indices | None] = {"mamba": Indices([1], [SLOTS - 1])}
+    with pytest.raises(OutOfBounds, match=r"destination tensor \('ssm', 0\)"):
+        expected_writes([r.layout for r in srcs], short.layout, req)
+    # prefill rank 1 writes heads 4-7, the item's last bytes; rank 0's half fits
+    with pytest.raises(OutOfBounds, match=r"tensor 'ssm' layer 0: decode index 3"):
+        plan(srcs[1].layout, short.layout, req)
+    assert plan(srcs[0].layout, short.layout, req).nbytes == 768 + 512
+    ok = {"mamba": Indices([1], [SLOTS - 2])}
+    assert_same_map([plan(r.layout, short.layout, ok) for r in srcs],
+                    expected_writes([r.layout for r in srcs], short.layout, ok))
+
+
+def test_padded_rows_of_many_items_do_not_coalesce_over_the_padding() -> None:
+    """Consecutive padded items on both sides are separate segments (the padding between
+    them is not copied), while packed ones still merge into one run."""
+    def case(pad: tuple[int, int]) -> Case:
+        td = TensorDef("r", True, None, 16, frozenset(), pad)
+        c = CompDef(StateType.DSV4_REQUEST, "req", (1, 1), (6, 6), (td,))
+        return Case((c,), 1, (1, 1), 1, 0, {"req": Indices([1, 2, 3], [2, 3, 4])}, 1)
+
+    padded = case((8, 5))
+    srcs, dst = build_all(padded)
+    want = expected_writes([srcs[0].layout], dst.layout, padded.request)
+    p = plan(srcs[0].layout, dst.layout, padded.request)
+    assert_same_map([p], want)
+    assert len(p.coalesce()) == 3 and p.coalesce().nbytes == 3 * 16 == len(want)
+    assert_execute_matches([p], srcs, dst, want)
+    srcs, dst = build_all(case((0, 0)))
+    assert len(plan(srcs[0].layout, dst.layout, case((0, 0)).request).coalesce()) == 1

@@ -203,6 +203,7 @@ def _layouts() -> list[Layout]:
                                  page_size=256, num_pages=64, num_slots=8, spec_decode=True))
     base = 1 << 40
     shard = ShardSpec.axis(outer=4, axis=8, inner_bytes=16, groups=(2, 2, 4))
+    conv = ShardSpec.axis(axis=8, inner_bytes=6, groups=(2, 2, 4))
     out.append(Layout(
         page_size=4, tp_rank=1, tp_size=2, pp_rank=0, pp_size=1, layers=(0, 3),
         components=(
@@ -221,6 +222,14 @@ def _layouts() -> list[Layout]:
             Component(type=StateType.AUX, name="aux", tensors=(
                 TensorSpec(name="aux", layer_id=NO_LAYER, ptr=2**63 + 64, nbytes=64,
                            item_bytes=64),
+            )),
+            # padded items: conv and SSM states sharing 512 B pages, sharded differently
+            Component(type=StateType.MAMBA, name="mamba", tensors=(
+                TensorSpec(name="conv", layer_id=1, ptr=2**63 + 1024, nbytes=4 * 512,
+                           item_bytes=4 * 6, stride=512, shard=conv),
+                TensorSpec(name="ssm", layer_id=1, ptr=2**63 + 1024 + 24,
+                           nbytes=3 * 512 + 256, item_bytes=2 * 128, stride=512,
+                           shard=ShardSpec.axis(axis=4, inner_bytes=128)),
             )),
         ),
         regions=(Region(ptr=base, nbytes=1 << 20, memory=MemoryKind.CUDA, device=3),
@@ -241,6 +250,34 @@ def test_layouts_round_trip_through_the_wire(layout: Layout) -> None:
     assert hash(got) == hash(layout)
     assert [t for c in got.components for t in c.tensors] == [
         t for c in layout.components for t in c.tensors]
+
+
+def test_a_stride_travels_and_a_packed_tensor_encodes_as_before() -> None:
+    """``stride`` round-trips; 0 (packed items) is left off the wire, so layouts without
+    padded items encode as they did before the field existed, and a message without it
+    decodes as packed."""
+    layout = _layouts()[-1]
+    msg = layout_to_msg(layout)
+    mamba = next(c for c in msg.components if c.name == "mamba")
+    assert [t.stride for t in mamba.tensors] == [512, 512]
+    got = layout_from_msg(msg).component("mamba").tensors
+    assert [(t.stride, t.item_stride, t.capacity) for t in got] == [(512, 512, 4)] * 2
+    raw = msgspec.msgpack.decode(msgspec.msgpack.encode(msg))
+    strides = [["stride" in t for t in c["tensors"]] for c in raw["components"]]
+    assert strides == [[False, False], [False], [False], [True, True]]
+    packed = msgspec.msgpack.encode(replace(mamba.tensors[0], stride=0))
+    assert b"stride" not in packed
+    assert msgspec.msgpack.decode(packed, type=protocol.TensorMsg).stride == 0
+
+
+def test_a_stride_smaller_than_the_item_is_a_protocol_error() -> None:
+    msg = layout_to_msg(_layouts()[-1])
+    comps = list(msg.components)
+    i = next(i for i, c in enumerate(comps) if c.name == "mamba")
+    comps[i] = replace(comps[i], tensors=(replace(comps[i].tensors[0], stride=8),
+                                          *comps[i].tensors[1:]))
+    with pytest.raises(ProtocolError, match=r"'conv'.*stride 8 is smaller than one item"):
+        layout_from_msg(replace(msg, components=tuple(comps)))
 
 
 def test_an_invalid_layout_is_a_protocol_error_with_the_reason() -> None:
@@ -436,8 +473,8 @@ def test_fuzz_layout_fields_give_a_layout_or_a_protocol_error(data: st.DataObjec
     tensors = list(comps[ci].tensors)
     ti = data.draw(st.integers(0, len(tensors) - 1))
     t = tensors[ti]
-    field = data.draw(st.sampled_from(["layer_id", "ptr", "nbytes", "item_bytes", "rows",
-                                       "device", "shard"]))
+    field = data.draw(st.sampled_from(["layer_id", "ptr", "nbytes", "item_bytes", "stride",
+                                       "rows", "device", "shard"]))
     if field == "shard":
         value: object = data.draw(st.none() | st.builds(
             protocol.ShardMsg, outer=_INTS, groups=st.lists(_INTS, max_size=3).map(tuple),

@@ -15,7 +15,7 @@ import pytest
 
 from kvhandoff import shapes
 from kvhandoff.errors import LayoutMismatch
-from kvhandoff.layout import Layout
+from kvhandoff.layout import Component, Layout, ShardSpec, TensorSpec
 from kvhandoff.plan import plan
 from kvhandoff.session.ranks import (
     PrefillPeer,
@@ -30,6 +30,7 @@ from kvhandoff.session.ranks import (
     tp_candidates,
     writes,
 )
+from kvhandoff.state_types import StateType
 
 TP_PAIRS = [(1, 1), (1, 2), (2, 1), (2, 4), (4, 2), (8, 2), (4, 8)]
 PP_PAIRS = [(1, 1), (2, 1), (2, 2)]
@@ -217,3 +218,24 @@ def test_peer_view_is_a_valid_layout_of_the_other_rank() -> None:
     assert view.signature == real.signature
     got = {t.key: t.item_bytes for c in view.components for t in c.tensors}
     assert got == {t.key: t.item_bytes for c in real.components for t in c.tensors}
+
+
+def test_peer_view_of_padded_items_at_another_tp_size() -> None:
+    """A padded tensor's peer view is one packed item: the stride of this rank (here
+    no more than its own conv + SSM state) may be smaller than the peer's item."""
+    conv = ShardSpec.axis(axis=256, inner_bytes=6, groups=(64, 64, 128))
+    ssm = ShardSpec.axis(axis=8, inner_bytes=128)
+    page = 768 + 512  # TP 2: conv and SSM fill the page exactly
+    tensors = (
+        TensorSpec(name="conv", layer_id=0, ptr=1 << 20, nbytes=4 * page, item_bytes=768,
+                   stride=page, shard=conv),
+        TensorSpec(name="ssm", layer_id=0, ptr=(1 << 20) + 768, nbytes=3 * page + 512,
+                   item_bytes=512, stride=page, shard=ssm),
+    )
+    src = Layout(page_size=16, tp_rank=1, tp_size=2, components=(
+        Component(type=StateType.MAMBA, name="mamba", tensors=tensors),))
+    view = peer_view(src, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
+    assert [(t.item_bytes, t.stride) for t in view.component("mamba").tensors] == [
+        (1536, 0), (1024, 0)]
+    assert decode_ranks_for(src, dst_tp_size=1, dst_pp_size=1) == ((0, 0),)
+    assert decode_ranks_for(src, dst_tp_size=4, dst_pp_size=1) == ((2, 0), (3, 0))

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from kvhandoff import shapes
+from kvhandoff.layout import Component, Layout, TensorSpec
 from kvhandoff.plan import execute, plan
 from kvhandoff.plan.execute import HostMemory
 from kvhandoff.session import SessionConfig, route_dp
@@ -18,6 +19,7 @@ from kvhandoff.session.chunks import KvCursor
 from kvhandoff.session.liveness import Liveness
 from kvhandoff.session.memory import TensorViews
 from kvhandoff.session.ranks import bootstrap_peers, decode_candidates
+from kvhandoff.state_types import StateType
 
 
 def cursor(dst: list[int], *, ps: int = 4, pd: int = 4, prefix: int = 0, pages: int,
@@ -91,6 +93,23 @@ def test_aux_rows_round_trip_and_guard() -> None:
     auxmod.clear(row)
     assert auxmod.check(row, "r")[0] is auxmod.AuxState.EMPTY
     assert auxmod.request_guard(5) != auxmod.request_guard("5")
+
+
+def test_row_views_of_padded_items_skip_the_padding() -> None:
+    """``TensorViews.row`` of a padded tensor is item ``i``'s bytes at ``i * stride``."""
+    buf = np.arange(3 * 16 + 8, dtype=np.uint8)  # 3 items of 8 B, 16 B apart; last unpadded
+    ptr = int(buf.ctypes.data)
+    t = TensorSpec(name="conv", layer_id=0, ptr=ptr, nbytes=2 * 16 + 8, item_bytes=8,
+                   stride=16)
+    lay = Layout(page_size=1, components=(
+        Component(type=StateType.MAMBA, name="mamba", tensors=(t,)),))
+    views = TensorViews(lay)
+    assert t.capacity == 3
+    for i in range(3):
+        row = views.row(t, i)
+        assert row is not None
+        np.testing.assert_array_equal(row, buf[16 * i:16 * i + 8])
+    assert views.row(t, 3) is None
 
 
 def test_liveness_pings_and_declares_silent_peers_lost() -> None:
