@@ -3,6 +3,7 @@ block picking, and the scheduler's decisions."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,7 +123,7 @@ def test_block_picking_by_token_range() -> None:
     assert pick(swa, blocks, start=0, end=17) == [12, 13, 14]
     assert pick(mamba, [0, 0, 7, 8, 9], start=0, end=9) == [7]  # two scratch blocks dropped
     assert pick(mamba, [7], start=0, end=9) == [7]
-    with pytest.raises(ValueError, match="need blocks 0..3"):
+    with pytest.raises(ValueError, match=r"need blocks 0\.\.3"):
         pick(full, blocks[:2], start=0, end=13)
     assert backoff(has_mamba=True) == 1 and backoff(has_mamba=False) == 0
     assert prompt_digest([1, 2, 3], 2) == prompt_digest([1, 2, 4], 2) != prompt_digest([1, 2], 1)
@@ -219,3 +220,107 @@ def test_prefill_requests_that_did_not_finish_normally_send_nothing() -> None:
     req = _Req("p-1", [1, 2, 3], {"do_remote_decode": True}, status="FINISHED_ABORTED")
     assert p.request_finished(req, ([1], [2])) == (False, None)
     assert p.build_meta().sends == []
+
+
+# --- recurrent state under heterogeneous TP, against vLLM's own per-rank sharding --------
+
+K1 = 3  # conv kernel - 1
+SLOTS = 3
+
+
+@dataclass(frozen=True)
+class _Model:
+    """A recurrent layer's global dims, as a model config states them."""
+
+    kind: str
+    conv: tuple[int, ...]  # global conv channels per sub-block (x, B, C) / (q, k, v) / (x,)
+    group: int  # mamba2: channels per B/C group (the SSM state size)
+    n_groups: int
+    ssm: tuple[int, ...]  # the global SSM / temporal state shape, dim 0 sharded
+
+    def rank_channels(self, tp: int, r: int) -> list[int]:
+        """The global conv channels rank r holds, in its page order — vLLM's sharding:
+        each sub-block split evenly; Mamba2's B/C groups extended and replicated when
+        TP exceeds them (MambaStateShapeCalculator.extra_groups_for_head_shards)."""
+        out, base = [], 0
+        for i, size in enumerate(self.conv):
+            if self.kind == "mamba2" and i and self.n_groups % tp:
+                g = r // (tp // self.n_groups)  # this rank's (replicated) group
+                out += range(base + g * self.group, base + (g + 1) * self.group)
+            else:
+                n = size // tp
+                out += range(base + r * n, base + (r + 1) * n)
+            base += size
+        return out
+
+    def info(self, tp: int, dim_first: bool) -> Any:
+        from kvhandoff.integrations.vllm.layout import MambaInfo
+
+        local = len(self.rank_channels(tp, 0))
+        conv = (local, K1) if dim_first else (K1, local)
+        ssm = (self.ssm[0] // tp, *self.ssm[1:])
+        return MambaInfo(kind=self.kind, shapes=(conv, ssm), itemsizes=(4, 4),
+                         conv_dim_first=dim_first, n_groups=self.n_groups)
+
+
+MODELS = {  # Mamba2: x = heads x head_dim, B = C = n_groups x state; GDN: q = k = k_heads x 16
+    "mamba2-1group": _Model("mamba2", (256, 64, 64), 64, 1, (8, 32, 64)),
+    "mamba2-4groups": _Model("mamba2", (256, 256, 256), 64, 4, (8, 32, 64)),
+    "gdn-unequal": _Model("gdn", (64, 64, 256), 0, 0, (8, 32, 16)),  # k: 4 x 16, v: 8 x 32
+    "mamba1": _Model("mamba1", (128,), 0, 0, (128, 16)),
+}
+
+
+def _pages(m: _Model, tp: int, r: int, dim_first: bool, fill: bool, pad: int
+           ) -> tuple[Layout, np.ndarray]:
+    """One rank's Mamba pages as vLLM lays them out ([conv | ssm | pad] per slot), filled
+    with the global coordinates of every value (prefill) or zeros (decode)."""
+    info = m.info(tp, dim_first)
+    chans = m.rank_channels(tp, r)
+    conv = np.array([[c * 16 + k for k in range(K1)] for c in chans], np.int32)
+    conv = conv if dim_first else conv.T.copy()
+    heads = m.ssm[0] // tp
+    per_head = math.prod(m.ssm[1:])
+    ssm = np.array([[(r * heads + h) * 100000 + j for j in range(per_head)]
+                    for h in range(heads)], np.int32)
+    page = conv.nbytes + ssm.nbytes + pad
+    buf = np.zeros(SLOTS * page, np.uint8)
+    if fill:
+        for s in range(SLOTS):
+            body = np.concatenate([conv.view(np.uint8).ravel(), ssm.view(np.uint8).ravel()])
+            buf[s * page:s * page + len(body)] = body + s  # each slot differs
+    t = TensorInfo(ptr=buf.ctypes.data, shape=(SLOTS, 1, 1, page), strides=(page, page, page, 1),
+                   itemsize=1, dtype="int8", base_ptr=buf.ctypes.data, base_nbytes=buf.nbytes)
+    g = GroupInfo(0, "mamba", "MambaSpec", BS, ("model.layers.0.mixer",), mamba=info)
+    return build_layout([g], {"model.layers.0.mixer": t}, tp_rank=r, tp_size=tp), buf
+
+
+def _run(src: Layout, dst: Layout, slot_p: int, slot_d: int) -> None:
+    import ctypes
+
+    segs = plan(src, dst, {"g0.mamba": Indices([slot_p], [slot_d])}).flatten()
+    for s, d, n in zip(segs.src.tolist(), segs.dst.tolist(), segs.length.tolist(), strict=True):
+        ctypes.memmove(d, s, n)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("dim_first", [True, False], ids=["DS", "SD"])
+@pytest.mark.parametrize(("ptp", "dtp"), [(1, 2), (2, 1), (2, 4), (4, 2), (1, 1)])
+def test_recurrent_state_lands_where_vllm_keeps_it(name: str, dim_first: bool, ptp: int,
+                                                    dtp: int) -> None:
+    """Prefill TP ``ptp`` → decode TP ``dtp``: every decode rank's page ends up exactly as
+    vLLM at TP ``dtp`` would have computed it (its own channel and head shares, in its
+    order), padding and other slots untouched."""
+    m = MODELS[name]
+    srcs = [_pages(m, ptp, r, dim_first, True, pad=40 * (r + 1)) for r in range(ptp)]
+    for r in range(dtp):
+        dst, dbuf = _pages(m, dtp, r, dim_first, False, pad=24)
+        _want_layout, want = _pages(m, dtp, r, dim_first, True, pad=24)
+        for src, _buf in srcs:
+            _run(src, dst, 1, 2)
+        page = len(dbuf) // SLOTS
+        got = dbuf.reshape(SLOTS, page)
+        expect = want.reshape(SLOTS, page)[1].copy()
+        expect[-24:] = 0  # padding is never written
+        assert np.array_equal(got[2], expect)
+        assert not got[0].any() and not got[1].any()

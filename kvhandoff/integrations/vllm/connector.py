@@ -38,7 +38,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-from kvhandoff.integrations.vllm.layout import GroupInfo, TensorInfo, build_layout
+from kvhandoff.integrations.vllm.layout import GroupInfo, MambaInfo, TensorInfo, build_layout
 from kvhandoff.integrations.vllm.metrics import KvhandoffPromMetrics, KvhandoffStats
 from kvhandoff.integrations.vllm.requests import StepMeta, backoff, rules_for
 from kvhandoff.integrations.vllm.scheduler import SchedulerConfig, SchedulerSide
@@ -101,12 +101,14 @@ class KvhandoffConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         ids = tuple(kv_cache_config.transfer_group_ids)
         tp = vllm_config.parallel_config.tensor_parallel_size
         heads = vllm_config.model_config.get_total_num_kv_heads()
+        hf = vllm_config.model_config.hf_config
         self.groups = tuple(
             GroupInfo(index=i, kind=_kind(kv_cache_config.kv_cache_groups[i].kv_cache_spec),
                       spec=type(kv_cache_config.kv_cache_groups[i].kv_cache_spec).__name__,
                       block_size=kv_cache_config.kv_cache_groups[i].kv_cache_spec.block_size,
                       layer_names=tuple(kv_cache_config.kv_cache_groups[i].layer_names),
-                      total_heads=heads)
+                      total_heads=heads,
+                      mamba=_mamba(kv_cache_config.kv_cache_groups[i].kv_cache_spec, hf))
             for i in ids)
         self.identity = _identity(vllm_config, self.groups, tp)
         self._aux_rows = int(extra.get("aux_rows", 1024))
@@ -236,6 +238,27 @@ class KvhandoffConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def has_pending_push_work(self) -> bool:
         return self._sched is not None and self._sched.pending_push
+
+
+_MAMBA_KINDS = {"MAMBA1": "mamba1", "MAMBA2": "mamba2", "GDN_ATTN": "gdn"}
+_N_GROUPS = ("mamba_n_groups", "n_groups", "ssm_n_groups", "mamba_ngroups")
+
+
+def _mamba(spec: object, hf: Any) -> MambaInfo | None:
+    """What the layout needs of a MambaSpec: its states' local shapes and element sizes,
+    the conv layout, and the model's Mamba2 group count (which the spec leaves out)."""
+    if not isinstance(spec, MambaSpec):
+        return None
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    name = getattr(spec.mamba_type, "name", str(spec.mamba_type))
+    groups = next((int(getattr(hf, a)) for a in _N_GROUPS if getattr(hf, a, None)), 0)
+    return MambaInfo(kind=_MAMBA_KINDS.get(name, name.lower()),
+                     shapes=tuple(tuple(int(d) for d in s) for s in spec.shapes),
+                     itemsizes=tuple(torch.empty(0, dtype=d).element_size()
+                                     for d in spec.dtypes),
+                     conv_dim_first=bool(is_conv_state_dim_first()), n_groups=groups,
+                     replicated=bool(getattr(spec, "tp_replicated", False)))
 
 
 def _info(t: torch.Tensor) -> TensorInfo:

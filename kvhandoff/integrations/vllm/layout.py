@@ -12,21 +12,34 @@ vLLM spec              state type       one item (a block)
                                         KV head, so heterogeneous TP slices it
 ``SlidingWindowSpec``  ``SWA``          as full attention
 ``MLAAttentionSpec``   ``MLA``          the latent page, replicated across TP
-``MambaSpec``          ``MAMBA``        vLLM's raw padded page (conv + SSM state), whole
+``MambaSpec``          ``MAMBA``        vLLM's raw padded page, read as one tensor per
+                                        state (conv, then SSM/temporal) at its offset
+                                        and page stride, each sharded as vLLM shards it
 =====================  ===============  ==================================================
+
+How vLLM shards recurrent state across TP ranks (its ``MambaStateShapeCalculator``), and
+so how each state tensor is described (:func:`mamba_states`):
+
+* conv state, ``(dim, K-1)`` per rank ("DS" layout) or ``(K-1, dim)`` ("SD"): the conv
+  channels are sub-blocks sharded on their own — Mamba2 ``[x, B, C]`` (B and C in whole
+  groups of ``state`` channels, replicated when TP exceeds the groups, as vLLM extends
+  them), GDN ``[q, k, v]`` (q and k may differ in size from v), Mamba1 ``[x]``;
+* SSM / temporal state: sharded by head (Mamba2 ``(heads, head_dim, state)``, GDN
+  ``(v_heads, v_dim, k_dim)``) or by channel (Mamba1 ``(dim, state)``).
 
 Several groups may alias one allocation (vLLM overlays groups of a hybrid model on one
 page pool; a block id belongs to one group at a time), so the layout's regions are the
 distinct backing allocations, not the tensors.
 
-What this cannot express yet is refused here, at start-up, naming the group: a Mamba
-group under TP > 1 (vLLM hands its state as raw bytes whose conv/SSM split is not sliced
-per rank yet), attention pages that are not head-major under TP > 1, and more than one
-full-attention group (the session moves one paged KV component per request).
+What this cannot express yet is refused here, at start-up, naming the group: recurrent
+state of another kind under TP > 1, attention pages that are not head-major under TP > 1,
+and more than one full-attention group (the session moves one paged KV component per
+request).
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -46,6 +59,79 @@ class VllmLayoutError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
+class MambaInfo:
+    """What a ``MambaSpec`` says about one layer's state, with the model facts its shapes
+    leave out. Shapes are this rank's (already divided by TP)."""
+
+    kind: str  # "mamba1", "mamba2", "gdn", or vLLM's name for another kind
+    shapes: tuple[tuple[int, ...], ...]
+    itemsizes: tuple[int, ...]
+    conv_dim_first: bool  # the conv state is (dim, K-1) ("DS"), not (K-1, dim)
+    n_groups: int = 0  # mamba2: the model's B/C groups (before vLLM extends them for TP)
+    replicated: bool = False  # every TP rank holds the whole state
+
+
+@dataclass(frozen=True, slots=True)
+class StatePart:
+    """One state inside a Mamba page: where it starts, its bytes, how it shards."""
+
+    name: str
+    offset: int
+    nbytes: int
+    shard: ShardSpec | None
+
+
+def mamba_states(m: MambaInfo, tp_size: int) -> tuple[StatePart, ...] | str:
+    """The states of one Mamba page in page order, or why they cannot be described."""
+    sizes = [_prod(s) * b for s, b in zip(m.shapes, m.itemsizes, strict=True)]
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    if m.replicated:
+        return tuple(StatePart(f"state{i}", o, n, None)
+                     for i, (o, n) in enumerate(zip(offsets, sizes, strict=True)))
+    if m.kind not in ("mamba1", "mamba2", "gdn") or len(m.shapes) != 2:
+        return f"recurrent state of kind {m.kind!r} with {len(m.shapes)} parts"
+    conv, ssm = m.shapes
+    groups: tuple[int, ...]
+    rows, dim = (conv[1], conv[0]) if m.conv_dim_first else (conv[0], conv[1])
+    if m.kind == "mamba1":
+        unit, groups = 1, (dim * tp_size,)
+        ssm_shard = ShardSpec(outer=1, groups=(ssm[0] * tp_size,),
+                              inner_bytes=ssm[1] * m.itemsizes[1])
+    elif m.kind == "mamba2":
+        heads, head_dim, state = ssm
+        x = heads * head_dim * tp_size
+        if not m.n_groups or x % state:
+            return (f"Mamba2 conv channels cannot be cut into groups of {state} "
+                    f"(x {x}, n_groups {m.n_groups})")
+        unit, groups = state, (x // state, m.n_groups, m.n_groups)
+        ssm_shard = ShardSpec(outer=1, groups=(heads * tp_size,),
+                              inner_bytes=head_dim * state * m.itemsizes[1])
+    else:  # gdn: conv [q, k, v] sharded by head, temporal (v_heads, v_dim, k_dim)
+        v_heads, v_dim, k_dim = ssm
+        value = v_heads * v_dim
+        key2 = dim - value
+        if key2 <= 0 or key2 % 2:
+            return f"GDN conv dim {dim} is not 2 x key + value ({value})"
+        unit = math.gcd(k_dim, v_dim)  # whole heads on every rank: TP-independent
+        key = key2 // 2 * tp_size // unit
+        groups = (key, key, value * tp_size // unit)
+        ssm_shard = ShardSpec(outer=1, groups=(v_heads * tp_size,),
+                              inner_bytes=v_dim * k_dim * m.itemsizes[1])
+    if sum(groups) * unit != dim * tp_size and m.kind != "mamba2":
+        return f"{m.kind} conv dim {dim} does not split into {groups} x {unit}"
+    c = m.itemsizes[0]
+    conv_shard = (ShardSpec(outer=1, groups=groups, inner_bytes=unit * rows * c)
+                  if m.conv_dim_first else
+                  ShardSpec(outer=rows, groups=groups, inner_bytes=unit * c))
+    return (StatePart("conv", offsets[0], sizes[0], conv_shard),
+            StatePart("ssm", offsets[1], sizes[1], ssm_shard))
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
+
+
+@dataclass(frozen=True, slots=True)
 class GroupInfo:
     """One transferable KV-cache group, as read from vLLM's spec."""
 
@@ -55,6 +141,7 @@ class GroupInfo:
     block_size: int
     layer_names: tuple[str, ...]
     total_heads: int = 0  # attention: the model's KV heads over all TP ranks
+    mamba: MambaInfo | None = None  # mamba groups
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +201,7 @@ def build_layout(groups: Sequence[GroupInfo], tensors: Mapping[str, TensorInfo],
             if t is None:
                 raise VllmLayoutError(f"group {g.index} ({g.spec}) names layer {name!r}, which "
                                       f"vLLM did not register a tensor for")
-            specs.append(_tensor(g, name, t, tp_size))
+            specs.extend(_tensors(g, name, t, tp_size))
             regions[t.base_ptr] = Region(ptr=t.base_ptr, nbytes=t.base_nbytes, memory=t.memory,
                                          device=t.device)
         components.append(Component(type=KINDS[g.kind], name=component_name(g),
@@ -126,13 +213,33 @@ def build_layout(groups: Sequence[GroupInfo], tensors: Mapping[str, TensorInfo],
                   identity=tuple(identity))
 
 
-def _tensor(g: GroupInfo, name: str, t: TensorInfo, tp_size: int) -> TensorSpec:
+def _tensors(g: GroupInfo, name: str, t: TensorInfo, tp_size: int) -> list[TensorSpec]:
     where = f"group {g.index} ({g.spec}) layer {name!r}"
     item = t.block_bytes
     # a view may end before its last block's stride does (padded pages): keep whole items
     # that lie inside the backing allocation
     end = t.base_ptr + t.base_nbytes
     nbytes = min(t.num_blocks * item, (end - t.ptr) // item * item)
+    if g.kind == "mamba" and g.mamba is not None:
+        parts = mamba_states(g.mamba, tp_size)
+        if isinstance(parts, str):
+            if tp_size > 1:
+                raise VllmLayoutError(f"{where}: {parts}; kvhandoff cannot slice it per TP "
+                                      f"rank, run this model at TP 1 on both sides")
+        else:
+            if sum(p.nbytes for p in parts) > item:
+                raise VllmLayoutError(f"{where}: its states ({sum(p.nbytes for p in parts)} B) "
+                                      f"do not fit its {item} B page")
+            return [TensorSpec(name=f"{name}#{p.name}", layer_id=layer_index(name),
+                               ptr=t.ptr + p.offset, nbytes=nbytes - p.offset,
+                               item_bytes=p.nbytes, stride=item, shard=p.shard,
+                               memory=t.memory, device=t.device) for p in parts]
+    return [_tensor(g, name, t, tp_size, where, nbytes)]
+
+
+def _tensor(g: GroupInfo, name: str, t: TensorInfo, tp_size: int, where: str,
+            nbytes: int) -> TensorSpec:
+    item = t.block_bytes
     shard = None
     if g.kind in ("full", "sliding"):
         shard = _head_shard(g, where, t)
