@@ -287,3 +287,52 @@ def test_prefill_killed_before_the_transfer_fails_the_request(pair: Pair) -> Non
     assert _external_tokens(pair.decode) == before
     _settled(pair.decode)
     assert _text(_complete(pair.decode.url, pair.model, PROMPTS[0]))
+
+
+@pytest.mark.e2e_full
+@pytest.mark.parametrize(("kind", "ptp", "dtp"), [("llama", 2, 1), ("llama", 1, 2),
+                                                  ("qwen3_next", 2, 1)])
+def test_heterogeneous_tp(kind: str, ptp: int, dtp: int, tmp_path: Path) -> None:
+    """Prefill TP ``ptp`` → decode TP ``dtp`` with real vLLM: attention slices by KV head,
+    GDN state by sub-block and head. Needs more than 2 cores to be comfortable (three
+    busy vLLM workers), so it runs with KVHANDOFF_E2E_FULL=1 only."""
+    if os.environ.get("KVHANDOFF_E2E_FULL") != "1":
+        pytest.skip("heterogeneous TP with vLLM: set KVHANDOFF_E2E_FULL=1 (3+ busy cores)")
+    py = _vllm_or_skip()
+    model = tmp_path / "model"
+    subprocess.run([str(py), "-m", "kvhandoff.integrations.vllm_tiny", kind, str(model)],
+                   check=True, timeout=600, capture_output=True)
+    bp, pp, dp = free_ports(3)
+    boot = subprocess.Popen([sys.executable, "-m", "kvhandoff.cli", "bootstrap", "--host",
+                             "127.0.0.1", "--port", str(bp)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    url = f"127.0.0.1:{bp}"
+    cores = os.cpu_count() or 2
+    env = {"KVHANDOFF_HEARTBEAT_TIMEOUT": "30", "KMP_BLOCKTIME": "0"}
+
+    def bind(tp: int, first: int) -> str:
+        return "|".join(str((first + i) % cores) for i in range(tp))
+
+    servers = [VllmServer(model, port, log_path=tmp_path / f"{role}.log",
+                          kv_transfer_config=_kv(f"kv_{role}", url),
+                          extra_args=["--tensor-parallel-size", str(tp),
+                                      *SERVE_ARGS.get(kind, ())],
+                          env={**env, "VLLM_CPU_OMP_THREADS_BIND": bind(tp, first)})
+               for role, port, tp, first in (("producer", pp, ptp, 0),
+                                             ("consumer", dp, dtp, ptp))]
+    p, d = servers
+    try:
+        for s in servers:
+            s.start()
+            s.wait_ready(900)
+        pair = Pair(str(model), p, d, tmp_path / "unused", url)
+        for prompt in PROMPTS[:2]:
+            before = _external_tokens(d)
+            local, handed, params = _handoff(pair, prompt)
+            assert handed == local
+            assert _external_tokens(d) - before == params["kvh_num_tokens"]
+    finally:
+        for s in servers:
+            s.stop()
+        boot.kill()
+        boot.wait(30)
