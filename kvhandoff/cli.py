@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from kvhandoff.session.config import add_timeout_arguments
 
-BENCHMARKS = ["session", "transport"]
+BENCHMARKS = ["session", "transport", "vllm"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -72,6 +72,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     proxy.add_argument("--max-body-bytes", type=int, default=64 * 2**20,
                        help="largest request body and buffered answer (default 64 MiB)")
 
+    from kvhandoff.integrations.vllm_demo import add_arguments as add_demo_vllm_arguments
+
+    demo_vllm = sub.add_parser(
+        "demo-vllm", help="KvhandoffConnector vs NixlConnector in real vLLM servers",
+        description="Start vLLM prefill and decode servers (a tiny hybrid model, "
+                    ".venv-vllm) with KvhandoffConnector, then with NixlConnector, stream "
+                    "prompts through kvhandoff vllm-proxy, and compare bytes, transfer time, "
+                    "TTFT and tokens against a local run.")
+    add_demo_vllm_arguments(demo_vllm)
+
     args = parser.parse_args(argv)
     if args.version:
         from kvhandoff import __version__
@@ -100,6 +110,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return serve_proxy(args.prefill, args.decode, host=args.host, port=args.port,
                            timeout=args.timeout, max_body_bytes=args.max_body_bytes)
+    if args.command == "demo-vllm":
+        from kvhandoff.integrations.vllm_demo import run_main as run_demo_vllm
+
+        return run_demo_vllm(args)
     parser.print_help()
     return 0
 

@@ -100,16 +100,16 @@ class Stats:
 
 @dataclass(slots=True)
 class Track:
-    """When a request's handoff reached each phase (as seen by the step that polled it)."""
+    """When a request's handoff reached each phase (as seen by the step that polled it;
+    every Sender and Receiver starts BOOTSTRAPPING)."""
 
     started: float = field(default_factory=time.monotonic)
     marks: list[tuple[str, float]] = field(default_factory=list)
-    last: Status | None = None
+    last: Status = Status.BOOTSTRAPPING
 
     def see(self, status: Status, names: dict[Status, str]) -> None:
         """Note ``status``; a phase ends when the status leaves it."""
-        if self.last is not None and names.get(status) != names.get(self.last) \
-                and self.last in names:
+        if names.get(status) != names.get(self.last) and self.last in names:
             self.marks.append((names[self.last], time.monotonic()))
         self.last = status
 
@@ -156,6 +156,7 @@ class WorkerSide:
         self._out: dict[str, _Out] = {}
         self._in: dict[str, _In] = {}
         self._errors: set[int] = set()
+        self._released: set[str] = set()  # decode: aborted after their load was reported
         self.names = [c.name for c in layout.components if c.name != AUX_NAME]
         self._item_bytes = {c.name: sum(t.item_bytes for t in c.tensors)
                             for c in layout.components}
@@ -203,10 +204,12 @@ class WorkerSide:
                     failed.receiver.abort(f"could not start: {e}")
         for rid in meta.aborts:
             entry = self._in.get(rid)
-            if entry is not None:
-                entry.aborted = True
-                if entry.receiver is not None:
-                    entry.receiver.abort("vLLM ended the request on decode")
+            if entry is None:  # already reported received: nothing of ours holds its blocks
+                self._released.add(rid)
+                continue
+            entry.aborted = True
+            if entry.receiver is not None:
+                entry.receiver.abort("vLLM ended the request on decode")
 
     def _send(self, s: SendReq) -> None:
         row = self.rows.take()
@@ -242,7 +245,7 @@ class WorkerSide:
 
     def finished(self) -> tuple[set[str], set[str]]:
         """(finished sends, finished receives) since the last call."""
-        sending: set[str] = set()
+        sending, self._released = self._released, set()
         recving: set[str] = set()
         for rid, o in list(self._out.items()):
             st = o.sender.poll()
@@ -304,9 +307,6 @@ class WorkerSide:
     def load_errors(self) -> set[int]:
         out, self._errors = self._errors, set()
         return out
-
-    def busy(self) -> bool:
-        return bool(self._out or self._in)
 
     def close(self) -> None:
         for o in self._out.values():
