@@ -13,18 +13,54 @@ STAMP  := $(VENV)/.kvhandoff-installed
 
 venv: $(STAMP)
 
-# Re-install only when the package metadata changes. The transfer engines (Mooncake,
-# NIXL) are part of the default set-up so the test suite runs them for real; they
-# import only where `make system-deps` has installed Mooncake's Debian packages, and
-# their tests skip with a reason elsewhere.
+# Which Mooncake wheel goes into .venv: the CUDA build (`mooncake-cuda` extra; engine.so
+# links libcuda.so.1) only on a host with an NVIDIA GPU, the non-CUDA build (`mooncake`
+# extra; Debian main libraries only) everywhere else. KVHANDOFF_MOONCAKE_WHEEL=cuda|non-cuda
+# overrides (scripts/mooncake-wheel.sh decides; scripts/system-deps.sh asks it too).
+MOONCAKE_WHEEL := $(shell KVHANDOFF_MOONCAKE_WHEEL='$(KVHANDOFF_MOONCAKE_WHEEL)' \
+	sh scripts/mooncake-wheel.sh)
+ifeq ($(MOONCAKE_WHEEL),cuda)
+MOONCAKE_EXTRA    := mooncake-cuda
+MOONCAKE_DIST     := mooncake-transfer-engine
+MOONCAKE_CONFLICT := mooncake-transfer-engine-non-cuda
+else ifeq ($(MOONCAKE_WHEEL),non-cuda)
+MOONCAKE_EXTRA    := mooncake
+MOONCAKE_DIST     := mooncake-transfer-engine-non-cuda
+MOONCAKE_CONFLICT := mooncake-transfer-engine nvidia-cuda-runtime-cu12
+else
+$(error KVHANDOFF_MOONCAKE_WHEEL must be cuda or non-cuda)
+endif
+# Records the choice: a different one (another host, the override) re-runs $(STAMP).
+MOONCAKE_MARK := $(VENV)/.kvhandoff-mooncake-$(MOONCAKE_WHEEL)
+
+# Re-install only when the package metadata or the Mooncake wheel choice changes. The
+# transfer engines (Mooncake, NIXL) are part of the default set-up so the test suite runs
+# them for real; Mooncake imports only where `make system-deps` has installed its Debian
+# packages, and its tests skip with a reason elsewhere.
 # torch goes first and pinned: 2.13.0 resolves to the local CPU build, and anything that
 # asks for torch later (transformers) then finds it satisfied instead of pulling CUDA.
-$(STAMP): pyproject.toml
+# Both Mooncake wheels install the same `mooncake` package, so switching uninstalls the
+# other one first, and the wanted one too if present (the other may have overwritten its
+# files); the non-CUDA set-up also drops the CUDA runtime wheel.
+$(STAMP): pyproject.toml $(MOONCAKE_MARK)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q 'torch==2.13.0'
-	$(BIN)/python -m pip install -q -e '.[dev,mooncake,engine]'
+	@have=$$($(BIN)/python -m pip list --format=freeze 2>/dev/null | sed 's/==.*//' \
+	    | tr '[:upper:]_.' '[:lower:]--'); \
+	if printf '%s\n' $$have | grep -qxF $(foreach p,$(MOONCAKE_CONFLICT),-e $(p)); then \
+	  drop=$$(printf '%s\n' $$have \
+	    | grep -xF $(foreach p,$(MOONCAKE_CONFLICT) $(MOONCAKE_DIST),-e $(p)) | tr '\n' ' '); \
+	  echo "$(BIN)/python -m pip uninstall -y $$drop(switching to $(MOONCAKE_DIST))"; \
+	  $(BIN)/python -m pip uninstall -q -y $$drop; \
+	fi
+	$(BIN)/python -m pip install -q -e '.[dev,$(MOONCAKE_EXTRA),engine]'
 	$(BIN)/python -m pip install -q --no-deps 'nixl-cu12>=1.5,<2'
+	@touch $@
+
+$(MOONCAKE_MARK):
+	@mkdir -p $(VENV)
+	@rm -f $(VENV)/.kvhandoff-mooncake-*
 	@touch $@
 
 # A second virtualenv for the vLLM integration: vLLM pins its own torch and transformers,
@@ -102,9 +138,10 @@ bench-session: $(STAMP)
 bench-transport: $(STAMP)
 	$(BIN)/kvhandoff bench transport
 
-# Debian packages some optional transports need (Mooncake). Safe to re-run.
+# Debian packages some optional transports need (Mooncake), for the wheel .venv gets
+# (Debian main only unless that is the CUDA one). Safe to re-run.
 system-deps:
-	scripts/system-deps.sh
+	KVHANDOFF_MOONCAKE_WHEEL=$(MOONCAKE_WHEEL) scripts/system-deps.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,9 +1,18 @@
 """Mooncake Transfer Engine: TCP here, RDMA where the hardware exists; P2P handshake.
 
-Install: ``pip install 'kvhandoff[mooncake]'`` and ``make system-deps`` (Debian:
-``libibverbs1 ibverbs-providers libcuda1``, the last from non-free). ``libcudart.so.12``
-comes from the ``nvidia-cuda-runtime-cu12`` wheel; this module preloads it, so no
-``LD_LIBRARY_PATH`` is needed.
+Install (``make venv`` picks the wheel by host, ``make system-deps`` the Debian packages):
+
+* without an NVIDIA GPU: ``pip install 'kvhandoff[mooncake]'``, the
+  ``mooncake-transfer-engine-non-cuda`` wheel, whose ``engine.so`` links only
+  ``libibverbs.so.1``, ``libnuma.so.1`` and ``libcurl.so.4`` (Debian main: ``libibverbs1
+  libnuma1 libcurl4``, ``libcurl4t64`` on Debian 13);
+* with one: ``pip install 'kvhandoff[mooncake-cuda]'``, the ``mooncake-transfer-engine``
+  wheel, which also links ``libmlx5.so.1`` (``ibverbs-providers``), ``libcuda.so.1`` (the
+  NVIDIA driver's) and ``libcudart.so.12``; that comes from the
+  ``nvidia-cuda-runtime-cu12`` wheel and this module preloads it, so no
+  ``LD_LIBRARY_PATH`` is needed.
+
+Both wheels install the same ``mooncake`` package: one per environment.
 
 How the engine is driven, and why (measured in ``reference/baselines.md``):
 
@@ -42,9 +51,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib.metadata
 import importlib.util
 import logging
 import os
+import shutil
 import socket
 import struct
 import threading
@@ -79,9 +90,18 @@ from kvhandoff.transport.staging import StagingConfig
 
 __all__ = ["MooncakeTransport", "available"]
 
-INSTALL_HINT = ("pip install 'kvhandoff[mooncake]' (mooncake-transfer-engine, "
-                "nvidia-cuda-runtime-cu12) and run `make system-deps` "
-                "(scripts/system-deps.sh: Debian libibverbs1 ibverbs-providers libcuda1)")
+CPU_DIST = "mooncake-transfer-engine-non-cuda"
+CUDA_DIST = "mooncake-transfer-engine"
+CPU_HINT = ("pip install 'kvhandoff[mooncake]' (mooncake-transfer-engine-non-cuda) and run "
+            "`make system-deps` (scripts/system-deps.sh: Debian main libibverbs1 libnuma1 "
+            "libcurl4, libcurl4t64 on Debian 13)")
+CUDA_HINT = ("pip install 'kvhandoff[mooncake-cuda]' (mooncake-transfer-engine, "
+             "nvidia-cuda-runtime-cu12) and run `make system-deps` (scripts/system-deps.sh: "
+             "Debian libibverbs1 ibverbs-providers libnuma1 libcurl4; libcuda.so.1 from the "
+             "NVIDIA driver, else Debian non-free libcuda1)")
+_SWITCH_HINT = ("; this host has no NVIDIA GPU, so use the non-CUDA wheel instead: `make venv` "
+                "switches .venv (or pip uninstall mooncake-transfer-engine "
+                "nvidia-cuda-runtime-cu12, then " + CPU_HINT + ")")
 
 # Mooncake's error.h, for messages. Any other negative value is reported as is.
 _CODES: dict[int, str] = {
@@ -137,16 +157,50 @@ def _preload_cudart() -> str | None:
     return "libcudart.so.12 not found (pip install nvidia-cuda-runtime-cu12)"
 
 
-def _load() -> None:
-    problem = _preload_cudart()
-    if problem is not None:
-        raise ImportError(problem)
+def _gpu_host() -> bool:
+    """Whether this host has an NVIDIA GPU: the test scripts/mooncake-wheel.sh makes (for
+    the Makefile) when KVHANDOFF_MOONCAKE_WHEEL does not override it."""
+    return Path("/dev/nvidia0").exists() or shutil.which("nvidia-smi") is not None
+
+
+def _installed() -> list[str]:
+    """The Mooncake wheels installed here (normally one; empty for none or a source build)."""
+    found = []
+    for dist in (CPU_DIST, CUDA_DIST):
+        try:
+            importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        found.append(dist)
+    return found
+
+
+def _load(dist: str | None) -> None:
+    """Import the engine; the CUDA wheel's (or a source build's) needs libcudart first."""
+    if dist != CPU_DIST:
+        problem = _preload_cudart()
+        if problem is not None and dist == CUDA_DIST:
+            raise ImportError(problem)
     import mooncake.engine  # noqa: F401
 
 
 def _probe() -> Availability:
-    return probe_package(module="mooncake", distribution="mooncake-transfer-engine",
-                         hint=INSTALL_HINT, load=_load)
+    wheels = _installed()
+    if len(wheels) > 1:
+        return Availability(False, f"{CPU_DIST} and {CUDA_DIST} are both installed; they "
+                            f"install the same `mooncake` package, so keep one: `make -B venv` "
+                            f"reinstalls the right one for this host")
+    gpu = _gpu_host()
+    dist = wheels[0] if wheels else None
+    if dist == CPU_DIST:
+        hint = CPU_HINT
+    elif dist == CUDA_DIST:
+        hint = CUDA_HINT if gpu else CUDA_HINT + _SWITCH_HINT
+    else:  # nothing installed (or a source build): what this host should get
+        hint = CUDA_HINT if gpu else CPU_HINT
+    wanted = dist or (CUDA_DIST if gpu else CPU_DIST)
+    return probe_package(module="mooncake", distribution=wanted, hint=hint,
+                         load=lambda: _load(dist))
 
 
 available = CachedAvailability(_probe)
