@@ -75,20 +75,27 @@ def _kv(role: str, bootstrap: str, *, short: bool = False) -> dict[str, object]:
             "kv_connector_extra_config": {"bootstrap": bootstrap}}
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3_next", "granitemoehybrid"])
-def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-         ) -> Iterator[Pair]:
+def _model_and_bootstrap(kind: str, root: Path) -> tuple[Path, subprocess.Popen[bytes], str]:
+    """A tiny ``kind`` checkpoint under ``root`` and a running ``kvhandoff bootstrap``
+    (``host:port``); the caller kills the process."""
     py = _vllm_or_skip()
-    kind = str(request.param)
-    root = tmp_path_factory.mktemp(f"vllm-{kind}")
     model = root / "model"
     subprocess.run([str(py), "-m", "kvhandoff.integrations.vllm_tiny", kind, str(model)],
                    check=True, timeout=600, capture_output=True)
-    bp, pp, dp = free_ports(3)
+    (port,) = free_ports(1)
     boot = subprocess.Popen([sys.executable, "-m", "kvhandoff.cli", "bootstrap", "--host",
-                             "127.0.0.1", "--port", str(bp)], stdout=subprocess.DEVNULL,
+                             "127.0.0.1", "--port", str(port)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-    url = f"127.0.0.1:{bp}"
+    return model, boot, f"127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3_next", "granitemoehybrid"])
+def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+         ) -> Iterator[Pair]:
+    kind = str(request.param)
+    root = tmp_path_factory.mktemp(f"vllm-{kind}")
+    model, boot, url = _model_and_bootstrap(kind, root)
+    pp, dp = free_ports(2)
     dump = root / "dump.jsonl"
     # bounded fault handling: prefill frees a request decode never asks for after 30 s,
     # decode gives up on a silent prefill after 10 s
@@ -298,15 +305,8 @@ def test_heterogeneous_tp(kind: str, ptp: int, dtp: int, tmp_path: Path) -> None
     busy vLLM workers), so it runs with KVHANDOFF_E2E_FULL=1 only."""
     if os.environ.get("KVHANDOFF_E2E_FULL") != "1":
         pytest.skip("heterogeneous TP with vLLM: set KVHANDOFF_E2E_FULL=1 (3+ busy cores)")
-    py = _vllm_or_skip()
-    model = tmp_path / "model"
-    subprocess.run([str(py), "-m", "kvhandoff.integrations.vllm_tiny", kind, str(model)],
-                   check=True, timeout=600, capture_output=True)
-    bp, pp, dp = free_ports(3)
-    boot = subprocess.Popen([sys.executable, "-m", "kvhandoff.cli", "bootstrap", "--host",
-                             "127.0.0.1", "--port", str(bp)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    url = f"127.0.0.1:{bp}"
+    model, boot, url = _model_and_bootstrap(kind, tmp_path)
+    pp, dp = free_ports(2)
     cores = os.cpu_count() or 2
     env = {"KVHANDOFF_HEARTBEAT_TIMEOUT": "30", "KMP_BLOCKTIME": "0"}
 
