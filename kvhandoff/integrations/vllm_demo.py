@@ -57,6 +57,7 @@ from kvhandoff.integrations.vllm_serve import (
     print_progress,
     vllm_python,
 )
+from kvhandoff.layout_demo import human_size
 
 MODEL_KIND = "qwen3_next"
 DEFAULT_TOKENS = (5, 60, 250, 600)
@@ -69,21 +70,13 @@ REQUEST_TIMEOUT_S = 300.0
 HELPER_TIMEOUT_S = 60.0  # bootstrap server / proxy start
 METRICS_WAIT_S = 15.0  # decode's /metrics may lag the end of a stream a little
 CONNECTORS = ("kvhandoff", "nixl")
+PREFILL_MS = "X-Kvhandoff-Prefill-Ms"  # vllm_proxy.PREFILL_MS (that module imports aiohttp)
 REFERENCE_SALT = "kvhandoff-demo-local-reference"
 EXTERNAL = r'vllm:prompt_tokens_by_source_total\{[^}]*source="external_kv_transfer"[^}]*\}'
 
 
 class DemoError(RuntimeError):
     """A process did not start, or a request could not be made."""
-
-
-def human_size(n: float) -> str:
-    """``n`` bytes as B / KiB / MiB / GiB."""
-    for unit in ("B", "KiB", "MiB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
 
 
 # --- results ---------------------------------------------------------------------------
@@ -143,7 +136,9 @@ class Handoff:
     transfer_ms: float | None = None
     bytes_by_group: dict[str, int] = field(default_factory=dict)
     bytes_equal: bool | None = None  # kvhandoff: prefill's and decode's sha256 agree
+    prefill_ms: float | None = None  # the proxy's prefill hop (X-Kvhandoff-Prefill-Ms)
     ttfts_ms: list[float] = field(default_factory=list)  # every trial's
+    prefills_ms: list[float] = field(default_factory=list)
     transfers_ms: list[float] = field(default_factory=list)
     error: str = ""
 
@@ -346,8 +341,9 @@ def _sse_chunks(resp: Any, deadline: float) -> Iterator[dict[str, Any]]:
         yield chunk
 
 
-def stream_run(url: str, body: dict[str, Any]) -> tuple[float, Completion]:
-    """POST a streaming completion; (ms to the first chunk with a token, the tokens)."""
+def stream_run(url: str, body: dict[str, Any]) -> tuple[float, float | None, Completion]:
+    """POST a streaming completion through the proxy: (ms to the first chunk with a token,
+    the proxy's prefill hop ms, the tokens)."""
     req = urllib.request.Request(url + "/v1/completions", method="POST",
                                  data=json.dumps({**body, "stream": True}).encode(),
                                  headers={"Content-Type": "application/json"})
@@ -355,6 +351,7 @@ def stream_run(url: str, body: dict[str, Any]) -> tuple[float, Completion]:
     ttft: float | None = None
     out = Completion([], [])
     with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as resp:
+        hop = resp.headers.get(PREFILL_MS)
         for chunk in _sse_chunks(resp, time.monotonic() + REQUEST_TIMEOUT_S):
             for choice in chunk.get("choices", []):
                 ids = [int(t) for t in choice.get("token_ids") or []]
@@ -364,7 +361,7 @@ def stream_run(url: str, body: dict[str, Any]) -> tuple[float, Completion]:
                 out.top += _top(choice)
     if ttft is None:
         raise DemoError("the stream carried no token")
-    return ttft, out
+    return ttft, None if hop is None else float(hop), out
 
 
 def tokenize(srv: VllmServer, text: str) -> list[int]:
@@ -474,7 +471,7 @@ def trial(pair: Pair, prompt: list[int], max_tokens: int, salt: str) -> Handoff:
     result = Handoff()
     try:
         before = Snapshot.take(pair)
-        result.ttft_ms, result.got = stream_run(
+        result.ttft_ms, result.prefill_ms, result.got = stream_run(
             pair.proxy_url, _body(pair.prefill.model_name, prompt, max_tokens, cache_salt=salt))
         after = settle(pair, before)
     except (OSError, ValueError, KeyError, DemoError) as e:  # HTTPError is an OSError
@@ -497,6 +494,8 @@ def merge(trials: list[Handoff], local: Completion) -> Handoff:
                   external_tokens=min(t.external_tokens for t in trials),
                   ttfts_ms=[t.ttft_ms for t in trials])
     out.transfers_ms = [t.transfer_ms for t in trials if t.transfer_ms is not None]
+    out.prefills_ms = [t.prefill_ms for t in trials if t.prefill_ms is not None]
+    out.prefill_ms = statistics.median(out.prefills_ms) if out.prefills_ms else None
     out.transfer_ms = statistics.median(out.transfers_ms) if out.transfers_ms else None
     if any(t.bytes_equal is not None for t in trials):
         out.bytes_equal = all(t.bytes_equal for t in trials)
@@ -591,7 +590,8 @@ def _summary(r: Handoff) -> str:
         return f"✗ {r.error}"
     ms = ", ".join(f"{t:.1f}" for t in r.transfers_ms) or "-"
     ttft = ", ".join(f"{t:.0f}" for t in r.ttfts_ms)
-    return (f"{_verdict(r)} vs local; transfer ms {ms}; TTFT ms {ttft}; "
+    hop = ", ".join(f"{t:.0f}" for t in r.prefills_ms) or "-"
+    return (f"{_verdict(r)} vs local; transfer ms {ms}; TTFT ms {ttft} (prefill hop {hop}); "
             f"{human_size(sum(r.bytes_by_group.values()))}; "
             f"{r.external_tokens:.0f} prompt tokens loaded by decode")
 
