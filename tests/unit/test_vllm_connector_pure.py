@@ -215,6 +215,22 @@ def test_a_decode_request_aborted_mid_receive_keeps_its_blocks() -> None:
     assert d.build_meta().aborts == ["d-1"]
 
 
+def test_a_decode_request_failed_by_vllm_for_its_load_is_freed_at_once() -> None:
+    """vLLM's fail policy ends the request in the step the worker reported its failed
+    (and released) receive: the blocks are free, and no abort follows."""
+    d = _sched(False)
+    prompt = list(range(10))
+    params = {"do_remote_prefill": True, "kvh_request_id": "p-1",
+              "kvh_bootstrap": "http://127.0.0.1:1", "kvh_num_tokens": 9,
+              "kvh_prompt": prompt_digest(prompt, 9)}
+    req = _Req("d-1", prompt, params, status="FINISHED_ERROR")
+    d.get_num_new_matched_tokens(req, 0)
+    d.update_state_after_alloc(req, _Blocks(([8], [4, 6, 7])), 9)
+    d.build_meta()
+    assert d.request_finished(req, ([8], [4, 6, 7])) == (False, None)
+    assert d.build_meta().aborts == []
+
+
 def test_prefill_requests_that_did_not_finish_normally_send_nothing() -> None:
     p = _sched(True)
     req = _Req("p-1", [1, 2, 3], {"do_remote_decode": True}, status="FINISHED_ABORTED")

@@ -29,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 from vllm.v1.kv_cache_interface import (
@@ -173,12 +174,18 @@ class KvhandoffConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def wait_for_save(self) -> None:
         return
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self._worker is None:
+            return KVConnectorTransferResults()
+        sending, recving, failed = self._worker.finished()
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+                                          failed_recving=failed)
+
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[set[str] | None, set[str] | None]:
-        if self._worker is None:
-            return None, None
-        sending, recving = self._worker.finished()
-        return sending or None, recving or None
+        """For callers of the older API; vLLM 0.32 calls :meth:`get_transfer_results`."""
+        r = self.get_transfer_results(finished_req_ids)
+        return r.finished_sending or None, r.finished_recving or None
 
     def get_kv_connector_stats(self) -> KvhandoffStats | None:
         if self._worker is None or self._worker.stats.empty():
@@ -195,9 +202,6 @@ class KvhandoffConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                            ) -> KvhandoffPromMetrics:
         return KvhandoffPromMetrics(vllm_config, metric_types, labelnames,
                                     per_engine_labelvalues)
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.load_errors() if self._worker is not None else set()
 
     def shutdown(self) -> None:
         if self._worker is not None:

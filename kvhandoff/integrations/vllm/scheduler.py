@@ -89,13 +89,17 @@ class SchedulerSide:
         rid = request.request_id
         if not params:
             return False, None
+        status = getattr(request.status, "name", str(request.status))
         if params.get("do_remote_prefill") is False and rid in self._receiving:
-            # decode: finished (aborted) while its receive may still write its blocks
+            if status == "FINISHED_ERROR":
+                # vLLM fails a loading request only on the failed receive the worker just
+                # reported, released: nothing of ours holds its blocks any more
+                return False, None
+            # decode: ended (aborted) while its receive may still write its blocks
             self._meta.aborts.append(rid)
             return True, None
         if not (self.cfg.producer and params.get("do_remote_decode")):
             return False, None
-        status = getattr(request.status, "name", str(request.status))
         if status not in FINISHED_OK:
             log.info("request %s ended %s before its handoff; nothing sent", rid, status)
             return False, None

@@ -8,9 +8,11 @@ vLLM calls in on its step thread; the agent's own threads move the bytes. ``fini
 * prefill: a request once its Sender is final *and settled* (no write still reads its
   blocks), whatever the outcome: vLLM may then free the blocks;
 * decode: a request once its Receiver succeeded, or failed *and released* (no late write
-  can land in its blocks). A failure also reports the request's blocks through
-  ``load_errors`` so vLLM's ``kv_load_failure_policy`` applies: tokens from a failed
-  handoff are never served as a success.
+  can land in its blocks). A failure is also reported as a failed receive, so vLLM's
+  ``kv_load_failure_policy`` applies (block-level errors are not an option: vLLM refuses
+  them for models with several KV-cache groups): tokens from a failed handoff are never
+  served as a success. A request vLLM ended while it was loading (an abort) is reported
+  as a finished *send* once released, since vLLM kept its blocks for us.
 
 Each request leases an aux row (the 16-byte arrival guard decode checks before it says
 SUCCESS) from a small pool for its lifetime.
@@ -155,8 +157,6 @@ class WorkerSide:
         self.stats = Stats()
         self._out: dict[str, _Out] = {}
         self._in: dict[str, _In] = {}
-        self._errors: set[int] = set()
-        self._released: set[str] = set()  # decode: aborted after their load was reported
         self.names = [c.name for c in layout.components if c.name != AUX_NAME]
         self._item_bytes = {c.name: sum(t.item_bytes for t in c.tensors)
                             for c in layout.components}
@@ -204,8 +204,7 @@ class WorkerSide:
                     failed.receiver.abort(f"could not start: {e}")
         for rid in meta.aborts:
             entry = self._in.get(rid)
-            if entry is None:  # already reported received: nothing of ours holds its blocks
-                self._released.add(rid)
+            if entry is None:  # already reported: vLLM frees it on that report
                 continue
             entry.aborted = True
             if entry.receiver is not None:
@@ -243,10 +242,13 @@ class WorkerSide:
             name: list(blocks) for name, blocks in zip(self.names, r.blocks, strict=True)}
         rec.init(indices, row, decode_prefix_len=r.prefix_tokens)
 
-    def finished(self) -> tuple[set[str], set[str]]:
-        """(finished sends, finished receives) since the last call."""
-        sending, self._released = self._released, set()
+    def finished(self) -> tuple[set[str], set[str], set[str]]:
+        """(finished sends, finished receives, failed receives) since the last call. A
+        failed receive is reported in both of the last two, as vLLM wants it (its
+        ``kv_load_failure_policy`` then fails or recomputes the request)."""
+        sending: set[str] = set()
         recving: set[str] = set()
+        failed: set[str] = set()
         for rid, o in list(self._out.items()):
             st = o.sender.poll()
             o.track.see(st, _PREFILL_PHASES)
@@ -266,7 +268,8 @@ class WorkerSide:
                 self._dump("decode", rec.request_id if rec else rid, e.lists,
                            ms=1e3 * (time.monotonic() - e.track.started))
             elif st is Status.FAILED and (rec is None or rec.released):
-                self._errors.update(b for g in e.lists for b in g)
+                if not e.aborted:
+                    failed.add(rid)
             else:
                 continue
             del self._in[rid]
@@ -274,7 +277,7 @@ class WorkerSide:
                 self.rows.give(e.row)
             (sending if e.aborted else recving).add(rid)
             self._finish(rid, rec, st, e.track, e.groups)
-        return sending, recving
+        return sending, recving, failed
 
     def _finish(self, rid: str, side: Sender | Receiver | None, st: Status, track: Track,
                 groups: dict[str, int]) -> None:
@@ -303,10 +306,6 @@ class WorkerSide:
                          "sha256": hashlib.sha256(data.tobytes()).hexdigest()})
         with open(path, "a") as f:
             f.write("".join(json.dumps(r) + "\n" for r in rows))
-
-    def load_errors(self) -> set[int]:
-        out, self._errors = self._errors, set()
-        return out
 
     def close(self) -> None:
         for o in self._out.values():
