@@ -201,16 +201,22 @@ def test_decode_refuses_state_that_is_not_for_its_tokens(change: str) -> None:
     assert params["do_remote_prefill"] is False  # computed locally, never loaded
 
 
-def test_a_decode_request_aborted_mid_receive_keeps_its_blocks() -> None:
+def _loading(status: str) -> tuple[SchedulerSide, _Req]:
+    """A decode scheduler whose request (ending with ``status``) is loading blocks."""
     d = _sched(False)
     prompt = list(range(10))
     params = {"do_remote_prefill": True, "kvh_request_id": "p-1",
               "kvh_bootstrap": "http://127.0.0.1:1", "kvh_num_tokens": 9,
               "kvh_prompt": prompt_digest(prompt, 9)}
-    req = _Req("d-1", prompt, params, status="FINISHED_ABORTED")
+    req = _Req("d-1", prompt, params, status=status)
     d.get_num_new_matched_tokens(req, 0)
     d.update_state_after_alloc(req, _Blocks(([8], [4, 6, 7])), 9)
     d.build_meta()
+    return d, req
+
+
+def test_a_decode_request_aborted_mid_receive_keeps_its_blocks() -> None:
+    d, req = _loading("FINISHED_ABORTED")
     assert d.request_finished(req, ([8], [4, 6, 7])) == (True, None)
     assert d.build_meta().aborts == ["d-1"]
 
@@ -218,15 +224,7 @@ def test_a_decode_request_aborted_mid_receive_keeps_its_blocks() -> None:
 def test_a_decode_request_failed_by_vllm_for_its_load_is_freed_at_once() -> None:
     """vLLM's fail policy ends the request in the step the worker reported its failed
     (and released) receive: the blocks are free, and no abort follows."""
-    d = _sched(False)
-    prompt = list(range(10))
-    params = {"do_remote_prefill": True, "kvh_request_id": "p-1",
-              "kvh_bootstrap": "http://127.0.0.1:1", "kvh_num_tokens": 9,
-              "kvh_prompt": prompt_digest(prompt, 9)}
-    req = _Req("d-1", prompt, params, status="FINISHED_ERROR")
-    d.get_num_new_matched_tokens(req, 0)
-    d.update_state_after_alloc(req, _Blocks(([8], [4, 6, 7])), 9)
-    d.build_meta()
+    d, req = _loading("FINISHED_ERROR")
     assert d.request_finished(req, ([8], [4, 6, 7])) == (False, None)
     assert d.build_meta().aborts == []
 
