@@ -33,9 +33,7 @@ import asyncio
 import itertools
 import json
 import logging
-import signal
 import sys
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -44,6 +42,8 @@ from typing import Any, Final
 
 import aiohttp
 from aiohttp import hdrs, web
+
+from kvhandoff.signals import stop_on_signals
 
 __all__ = [
     "DECODE_MS",
@@ -426,11 +426,7 @@ def serve(prefill: list[str], decode: list[str], *, host: str = "127.0.0.1", por
         return 2
 
     async def main() -> None:
-        stop = asyncio.Event()
-        if threading.current_thread() is threading.main_thread():
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, stop.set)
+        stop = stop_on_signals()
         # handler_cancellation: a client that hangs up cancels its handler, which closes
         # the upstream connection, so vLLM aborts the request (prefill or decode).
         runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=2.0)

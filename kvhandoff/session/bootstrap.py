@@ -31,7 +31,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import signal
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -56,6 +55,7 @@ from kvhandoff.session.bootstrap_client import (
     RegisterReply,
     Slot,
 )
+from kvhandoff.signals import stop_on_signals
 
 __all__ = ["DEFAULT_PORT", "BootstrapServer", "Limits", "Registry", "make_app", "serve"]
 
@@ -469,11 +469,7 @@ def serve(host: str = "0.0.0.0", port: int = DEFAULT_PORT, *, limits: Limits | N
     say = announce or (lambda line: print(line, flush=True))
 
     async def main() -> None:
-        stop = asyncio.Event()
-        if threading.current_thread() is threading.main_thread():
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, stop.set)
+        stop = stop_on_signals()
         await _run(make_app(Registry(limits)), host, port, stop,
                    lambda p: say(f"kvhandoff bootstrap server bound to {host}:{p}, "
                                  f"listening on {_url(host, p)}"))

@@ -83,7 +83,7 @@ class StatePart:
 
 def mamba_states(m: MambaInfo, tp_size: int) -> tuple[StatePart, ...] | str:
     """The states of one Mamba page in page order, or why they cannot be described."""
-    sizes = [_prod(s) * b for s, b in zip(m.shapes, m.itemsizes, strict=True)]
+    sizes = [math.prod(s) * b for s, b in zip(m.shapes, m.itemsizes, strict=True)]
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
     if m.replicated:
         return tuple(StatePart(f"state{i}", o, n, None)
@@ -125,10 +125,6 @@ def mamba_states(m: MambaInfo, tp_size: int) -> tuple[StatePart, ...] | str:
                   ShardSpec(outer=rows, groups=groups, inner_bytes=unit * c))
     return (StatePart("conv", offsets[0], sizes[0], conv_shard),
             StatePart("ssm", offsets[1], sizes[1], ssm_shard))
-
-
-def _prod(shape: tuple[int, ...]) -> int:
-    return math.prod(shape)
 
 
 @dataclass(frozen=True, slots=True)
