@@ -39,7 +39,13 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-from kvhandoff.integrations.vllm.layout import GroupInfo, MambaInfo, TensorInfo, build_layout
+from kvhandoff.integrations.vllm.layout import (
+    GroupInfo,
+    MambaInfo,
+    TensorInfo,
+    build_layout,
+    component_name,
+)
 from kvhandoff.integrations.vllm.metrics import KvhandoffPromMetrics, KvhandoffStats
 from kvhandoff.integrations.vllm.requests import StepMeta, backoff, rules_for
 from kvhandoff.integrations.vllm.scheduler import SchedulerConfig, SchedulerSide
@@ -151,7 +157,7 @@ class KvhandoffConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self.groups, {name: _info(t) for name, t in kv_caches.items()},
             tp_rank=rank, tp_size=tp, extra=(rows.component,),
             extra_regions=(Region(ptr=aux.ptr, nbytes=aux.nbytes),), identity=self.identity)
-        kv = next((f"g{g.index}.{g.kind}" for g in self.groups if g.kind in ("full", "mla")),
+        kv = next((component_name(g) for g in self.groups if g.kind in ("full", "mla")),
                   None)
         self._worker = WorkerSide(layout, rows, producer=self.producer,
                                   bootstrap=self.bootstrap, config=session, kv_name=kv)

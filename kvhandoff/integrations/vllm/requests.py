@@ -19,8 +19,6 @@ from dataclasses import dataclass, field
 
 from kvhandoff.integrations.vllm.layout import GroupInfo
 
-PARAMS_PREFIX = "kvh_"
-
 
 @dataclass(frozen=True, slots=True)
 class GroupRule:
