@@ -1,8 +1,8 @@
 """``kvhandoff bench vllm``: KvhandoffConnector against vLLM's NixlConnector, same run.
 
-For each connector in turn, a prefill and a decode vLLM server (tiny Qwen3-Next hybrid,
-one core each) behind ``kvhandoff vllm-proxy`` (the machinery of ``kvhandoff demo-vllm``),
-the same prompts for both:
+For each connector in turn, a prefill and a decode vLLM server (the demo's tiny hybrid,
+``--kind``, one core each) behind ``kvhandoff vllm-proxy`` (the machinery of
+``kvhandoff demo-vllm``), the same prompts for both:
 
 * **time to first token** through the pair (streaming, the first SSE chunk with a token)
   and **transfer time** per request (kvhandoff: decode's Receiver opened → SUCCESS;
@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kvhandoff.integrations import vllm_demo as demo
+from kvhandoff.integrations.vllm_tiny import MODELS, serve_dtype
 
 DEFAULT_JSON = Path("benchmarks") / "results" / "vllm.json"
 CONNECTORS = ("kvhandoff", "nixl")
@@ -133,6 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=4, help="in flight for the rate")
     ap.add_argument("--rate-tokens", type=int, default=512, help="prompt tokens for the rate")
     ap.add_argument("--model-dir", type=Path, help="reuse a tiny checkpoint")
+    ap.add_argument("--kind", default=demo.MODEL_KIND, choices=sorted(MODELS),
+                    help=f"which tiny model (default {demo.MODEL_KIND})")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                    help="the servers' --dtype (default: as demo-vllm)")
+    ap.add_argument("--transport", default="tcp", help="kvhandoff's transport (default tcp)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 2 prompts, 2 trials")
     args = ap.parse_args(argv)
     if args.quick:
@@ -141,7 +147,9 @@ def main(argv: list[str] | None = None) -> int:
         opts = demo.Options(model_dir=args.model_dir, lengths=list(args.tokens),
                             max_tokens=demo.MAX_TOKENS, connectors=list(CONNECTORS),
                             start_timeout=demo.START_TIMEOUT_S, work_dir=Path(tmp),
-                            repeat=args.repeat)
+                            repeat=args.repeat, kind=args.kind,
+                            dtype=args.dtype or serve_dtype(args.kind),
+                            transport=args.transport)
         model = demo.build_model(opts)
         results: dict[str, dict[str, Any]] = {}
         prompts = None
@@ -157,7 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     for g in cmp["goals"]:
         print(f"  {g['what']}: {g['ratio'] or 0:.2f}x [{'met' if g['met'] else 'NOT met'}]")
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"results": results, "compare": cmp}, indent=2))
+    setup = {"model": opts.kind, "dtype": opts.dtype, "transport": opts.transport,
+             "repeat": opts.repeat, "max_tokens": opts.max_tokens}
+    args.json.write_text(json.dumps({"setup": setup, "results": results, "compare": cmp},
+                                    indent=2))
     plot(args.json.with_suffix(".png"), cmp)
     print(f"wrote {args.json} and {args.json.with_suffix('.png')}")
     ok = all(r["ok"] for c in results.values() for r in c["rows"])

@@ -79,9 +79,15 @@ def create_transport(name: str = DEFAULT, **options: Any) -> Transport:
     return cls(**options)
 
 
-CUDA_TESTED: dict[str, str] = {"nixl": "untested", "mooncake": "untested"}
-"""Transports that register device memory (their ``cuda=True`` option), and whether that
-path has run on a GPU: it has not yet, and ``kvhandoff transports`` says so."""
+CUDA_TESTED: dict[str, str] = {"nixl": "untested", "mooncake": "untested",
+                               "tcp": "untested", "shm": "untested"}
+"""Transports that can move a GPU KV cache, and whether that path has run on a GPU: it
+has not yet, and ``kvhandoff transports`` says so. nixl and mooncake register device
+memory (their ``cuda=True`` option); the :data:`CUDA_STAGED` ones go through a host copy."""
+
+CUDA_STAGED = frozenset({"tcp", "shm"})
+"""Transports that move host memory only: a GPU KV cache reaches them through a pinned
+host mirror (the vLLM connector's ``host_staging``), copying each request's blocks."""
 
 
 def describe_transports() -> list[str]:
@@ -102,7 +108,8 @@ def describe_transports() -> list[str]:
                 if caps.needs_allocate:
                     notes.append("destinations from allocate()")
         if name in CUDA_TESTED:
-            notes.append(f"CUDA: {CUDA_TESTED[name]}")
+            via = ", pinned host staging" if name in CUDA_STAGED else ""
+            notes.append(f"CUDA: {CUDA_TESTED[name]}{via}")
         tail = f"  [{', '.join(notes)}]" if notes else ""
         lines.append(f"{name:<9} {'usable' if ok else 'NOT usable':<10}  {reason}{tail}")
     return lines

@@ -1,6 +1,10 @@
 """The connector's worker half without vLLM: two WorkerSides (prefill, decode) in one
 process over the real session layer (bootstrap server, control sockets, tcp), on pages
-laid out the way vLLM lays out a hybrid model's (attention + Mamba2 in one pool)."""
+laid out the way vLLM lays out a hybrid model's (attention + Mamba2 in one pool).
+
+The staged pair does what the connector does for a GPU KV cache over tcp/shm (forced with
+``host_staging`` on CPU tensors): torch "device" tensors, a host mirror registered in
+their place, blocks copied in and out around the handoff."""
 
 from __future__ import annotations
 
@@ -10,7 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+import torch
 
+from kvhandoff.integrations.vllm.host_staging import kv_memory, tensor_info
 from kvhandoff.integrations.vllm.layout import GroupInfo, MambaInfo, TensorInfo, build_layout
 from kvhandoff.integrations.vllm.requests import RecvReq, SendReq, StepMeta
 from kvhandoff.integrations.vllm.worker import AuxRows, WorkerSide, block_bytes
@@ -24,10 +30,21 @@ MAMBA = MambaInfo(kind="mamba2", shapes=((128, 3), (2, 32, 32)), itemsizes=(2, 4
                   conv_dim_first=True, n_groups=1)
 
 
+GROUPS = [GroupInfo(0, "mamba", "MambaSpec", BS, ("model.layers.0.mixer",), mamba=MAMBA),
+          GroupInfo(1, "full", "FullAttentionSpec", BS, ("model.layers.1.self_attn.attn",),
+                    total_heads=HEADS)]
+STATE_BYTES = 128 * 3 * 2 + 2 * 32 * 32 * 4  # MAMBA's conv + SSM: what a Mamba page moves
+
+
 @dataclass
 class Side:
     worker: WorkerSide
     pool: np.ndarray
+
+
+def _config(instance: str, transport: str = "tcp") -> SessionConfig:
+    return SessionConfig(instance=instance, transport=transport, bootstrap_timeout=10,
+                         indices_timeout=10, release_timeout=5, transfer_timeout=10)
 
 
 def _side(url: str, producer: bool, fill: bool, instance: str) -> Side:
@@ -39,20 +56,40 @@ def _side(url: str, producer: bool, fill: bool, instance: str) -> Side:
                       itemsize=2, dtype="bfloat16", **base)
     raw = TensorInfo(shape=(BLOCKS, 1, 1, PAGE), strides=(PAGE, PAGE, PAGE, 1), itemsize=1,
                      dtype="int8", **base)
-    groups = [GroupInfo(0, "mamba", "MambaSpec", BS, ("model.layers.0.mixer",), mamba=MAMBA),
-              GroupInfo(1, "full", "FullAttentionSpec", BS, ("model.layers.1.self_attn.attn",),
-                        total_heads=HEADS)]
     rows = AuxRows(4)
     aux = rows.component.tensors[0]
-    layout = build_layout(groups, {"model.layers.0.mixer": raw,
+    layout = build_layout(GROUPS, {"model.layers.0.mixer": raw,
                                    "model.layers.1.self_attn.attn": attn},
                           tp_rank=0, tp_size=1, extra=(rows.component,),
                           extra_regions=(Region(ptr=aux.ptr, nbytes=aux.nbytes),),
                           identity=[("model", "test")])
-    cfg = SessionConfig(instance=instance, bootstrap_timeout=10, indices_timeout=10,
-                        release_timeout=5, transfer_timeout=10)
-    return Side(WorkerSide(layout, rows, producer=producer, bootstrap=url, config=cfg,
-                           kv_name="g1.full"), pool)
+    return Side(WorkerSide(layout, rows, producer=producer, bootstrap=url,
+                           config=_config(instance), kv_name="g1.full"), pool)
+
+
+def _staged_side(url: str, producer: bool, fill: bool, instance: str, transport: str) -> Side:
+    """As the connector sets a worker up with ``host_staging``: vLLM's (here CPU) tensors,
+    a mirror of their shared storage registered instead, aux rows from the transport
+    where it insists. ``pool`` is the "device" memory."""
+    dev = torch.zeros(BLOCKS * PAGE, dtype=torch.uint8)
+    if fill:
+        dev[:] = torch.from_numpy(np.random.default_rng(7).integers(0, 256, dev.numel(),
+                                                                    dtype=np.uint8))
+    tensors = {"model.layers.0.mixer": dev.view(torch.int8).view(BLOCKS, 1, 1, PAGE),
+               "model.layers.1.self_attn.attn": dev.view(torch.bfloat16).view(
+                   BLOCKS, HEADS, BS, C)}
+    mem = kv_memory(tensors, [g.layer_names for g in GROUPS], _config(instance, transport),
+                    producer=producer, host_staging=True)
+    assert mem.staging is not None
+    rows = AuxRows(4, allocate=mem.allocate)
+    aux = rows.component.tensors[0]
+    layout = build_layout(GROUPS, {n: tensor_info(t) for n, t in mem.tensors.items()},
+                          tp_rank=0, tp_size=1, extra=(rows.component,),
+                          extra_regions=(Region(ptr=aux.ptr, nbytes=aux.nbytes),),
+                          identity=[("model", "test")])
+    worker = WorkerSide(layout, rows, producer=producer, bootstrap=url, config=mem.config,
+                        kv_name="g1.full", staging=mem.staging, transport=mem.transport)
+    return Side(worker, dev.numpy())
 
 
 @pytest.fixture
@@ -61,6 +98,19 @@ def pair() -> Iterator[tuple[Side, Side, str]]:
         name = f"vllm-worker-{time.monotonic_ns()}"
         p = _side(srv.url, True, True, name)
         d = _side(srv.url, False, False, name)
+        try:
+            yield p, d, srv.url
+        finally:
+            d.worker.close()
+            p.worker.close()
+
+
+@pytest.fixture(params=["tcp", "shm"])
+def staged(request: pytest.FixtureRequest) -> Iterator[tuple[Side, Side, str]]:
+    with BootstrapServer() as srv:
+        name = f"vllm-staged-{request.param}-{time.monotonic_ns()}"
+        p = _staged_side(srv.url, True, True, name, request.param)
+        d = _staged_side(srv.url, False, False, name, request.param)
         try:
             yield p, d, srv.url
         finally:
@@ -126,3 +176,52 @@ def test_a_failed_load_reports_its_blocks(pair: tuple[Side, Side, str]) -> None:
     _until(d, "d-4", 2)
     _until(p, "p-4", 0)
     assert d.worker.stats.take()["outcomes"][0][1] != "success"
+
+
+def test_a_staged_handoff_lands_byte_exact_in_the_device_tensors(
+        staged: tuple[Side, Side, str]) -> None:
+    """Prefill copies its blocks device → mirror, the transport moves mirror → mirror,
+    decode copies mirror → device before it reports the request: decode's device memory
+    then holds prefill's attention pages and Mamba state at decode's block ids, and
+    nothing else."""
+    p, d, url = staged
+    before = p.pool.copy()
+    p.worker.start(StepMeta(sends=[SendReq("p-s", ((3,), (1, 2)), 40)]))
+    d.worker.start(StepMeta(recvs=[RecvReq("d-s", "p-s", url, p.worker.agent.config.instance,
+                                           ((6,), (4, 5)), 0, 40)]))
+    _until(d, "d-s", 1)
+    _until(p, "p-s", 0)
+    want = np.zeros_like(d.pool)
+    want[4 * PAGE:6 * PAGE] = before[1 * PAGE:3 * PAGE]  # attention pages
+    want[6 * PAGE:6 * PAGE + STATE_BYTES] = before[3 * PAGE:3 * PAGE + STATE_BYTES]  # conv, SSM
+    assert np.array_equal(d.pool, want)
+    assert np.array_equal(p.pool, before)
+    assert d.worker.stats.take()["outcomes"] == [["decode", "success"]]
+    assert p.worker.stats.take()["outcomes"] == [["prefill", "success"]]
+
+
+def test_a_staging_copy_that_fails_fails_the_load(staged: tuple[Side, Side, str],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bytes arrived but could not reach vLLM's blocks: decode reports a failed
+    receive (vLLM's load-failure policy applies), never a success."""
+    p, d, url = staged
+
+    def broken(blocks: object) -> None:
+        raise RuntimeError("device copy failed")
+
+    monkeypatch.setattr(d.worker.staging, "to_device", broken)
+    p.worker.start(StepMeta(sends=[SendReq("p-f", ((3,), (1, 2)), 40)]))
+    d.worker.start(StepMeta(recvs=[RecvReq("d-f", "p-f", url, p.worker.agent.config.instance,
+                                           ((6,), (4, 5)), 0, 40)]))
+    _until(d, "d-f", 2)
+    assert d.worker.stats.take()["outcomes"] == [["decode", "StagingError"]]
+    assert not d.pool.any()
+
+
+def test_a_send_with_a_block_outside_the_cache_fails_alone(
+        staged: tuple[Side, Side, str]) -> None:
+    """Staging refuses the block id before copying; the send fails, the worker lives."""
+    p, _, _ = staged
+    p.worker.start(StepMeta(sends=[SendReq("p-x", ((BLOCKS,), (1,)), 20)]))
+    _until(p, "p-x", 0)
+    assert p.worker.stats.take()["outcomes"][0][1] != "success"

@@ -11,10 +11,17 @@ vLLM registered its KV caches). Load it with::
                            "kv_connector_extra_config": {"bootstrap": "10.0.0.3:8998"}}'
 
 ``kv_connector_extra_config`` keys: ``bootstrap`` (required: ``host:port`` of a running
-``kvhandoff bootstrap``), ``transport`` (``tcp`` default; ``mooncake``, ``nixl``),
+``kvhandoff bootstrap``), ``transport`` (``tcp`` default; ``shm``, ``mooncake``, ``nixl``),
 ``instance`` (the prefill deployment's name, default ``default``), ``host`` (control
-socket bind address), ``aux_rows`` (handoffs in flight per worker, default 1024), and any
-other :class:`~kvhandoff.session.config.SessionConfig` field (e.g. ``transfer_timeout``).
+socket bind address), ``aux_rows`` (handoffs in flight per worker, default 1024),
+``host_staging`` (see below), and any other
+:class:`~kvhandoff.session.config.SessionConfig` field (e.g. ``transfer_timeout``).
+
+GPU memory: with vLLM's KV cache on CUDA, nixl and mooncake register it as device
+memory; tcp and shm move host memory only, so the worker keeps a pinned host mirror and
+copies each request's blocks through it
+(:class:`~kvhandoff.integrations.vllm.host_staging.HostStaging`). ``host_staging: true``
+forces the mirror for any transport and CPU tensors too (how it is tested without a GPU).
 """
 
 from __future__ import annotations
@@ -39,10 +46,15 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
+from kvhandoff.integrations.vllm.host_staging import (
+    HostStaging,
+    flag,
+    kv_memory,
+    tensor_info,
+)
 from kvhandoff.integrations.vllm.layout import (
     GroupInfo,
     MambaInfo,
-    TensorInfo,
     build_layout,
     component_name,
 )
@@ -50,10 +62,9 @@ from kvhandoff.integrations.vllm.metrics import KvhandoffPromMetrics, KvhandoffS
 from kvhandoff.integrations.vllm.requests import StepMeta, backoff, rules_for
 from kvhandoff.integrations.vllm.scheduler import SchedulerConfig, SchedulerSide
 from kvhandoff.integrations.vllm.worker import AuxRows, WorkerSide
-from kvhandoff.layout import MemoryKind, Region
+from kvhandoff.layout import Region
 from kvhandoff.session.config import SessionConfig
 from kvhandoff.session.receiver import bootstrap_url
-from kvhandoff.transport.registry import CUDA_TESTED
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -66,7 +77,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvhandoff.integrations.vllm")
 
-_OWN_KEYS = {"bootstrap", "aux_rows"}
+_OWN_KEYS = {"bootstrap", "aux_rows", "host_staging"}
 
 
 class KvhandoffMetadata(KVConnectorMetadata):  # type: ignore[misc]
@@ -119,8 +130,10 @@ class KvhandoffConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             for i in ids)
         self.identity = _identity(vllm_config, self.groups, tp)
         self._aux_rows = int(extra.get("aux_rows", 1024))
+        self._host_staging = flag(extra, "host_staging")
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._staging: HostStaging | None = None
         if role == KVConnectorRole.SCHEDULER:
             specs = [kv_cache_config.kv_cache_groups[i].kv_cache_spec for i in ids]
             self._sched = SchedulerSide(SchedulerConfig(
@@ -142,25 +155,27 @@ class KvhandoffConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
         tp = self._vllm_config.parallel_config.tensor_parallel_size
         rank = get_tensor_model_parallel_rank() if tp > 1 else 0
-        session = self.session
-        if any(t.device.type == "cuda" for t in kv_caches.values()):
-            if session.transport not in CUDA_TESTED:
-                raise ValueError(
-                    f"vLLM's KV cache is in GPU memory, which transport {session.transport!r} "
-                    f"cannot move; use one of {sorted(CUDA_TESTED)} "
-                    f"(kv_connector_extra_config.transport)")
-            session = session.replace(
-                transport_options={**session.transport_options, "cuda": True})
-        rows = AuxRows(self._aux_rows)
-        aux = rows.component.tensors[0]
-        layout = build_layout(
-            self.groups, {name: _info(t) for name, t in kv_caches.items()},
-            tp_rank=rank, tp_size=tp, extra=(rows.component,),
-            extra_regions=(Region(ptr=aux.ptr, nbytes=aux.nbytes),), identity=self.identity)
-        kv = next((component_name(g) for g in self.groups if g.kind in ("full", "mla")),
-                  None)
-        self._worker = WorkerSide(layout, rows, producer=self.producer,
-                                  bootstrap=self.bootstrap, config=session, kv_name=kv)
+        mem = kv_memory(kv_caches, [g.layer_names for g in self.groups], self.session,
+                        producer=self.producer, host_staging=self._host_staging)
+        if mem.staging is not None:
+            log.info("kvhandoff: vLLM's KV cache goes through a %s host mirror of %d B",
+                     "pinned" if mem.staging.pinned else "pageable", mem.staging.nbytes)
+        try:
+            rows = AuxRows(self._aux_rows, allocate=mem.allocate)
+            aux = rows.component.tensors[0]
+            layout = build_layout(
+                self.groups, {name: tensor_info(t) for name, t in mem.tensors.items()},
+                tp_rank=rank, tp_size=tp, extra=(rows.component,),
+                extra_regions=(Region(ptr=aux.ptr, nbytes=aux.nbytes),), identity=self.identity)
+            kv = next((component_name(g) for g in self.groups if g.kind in ("full", "mla")),
+                      None)
+            self._worker = WorkerSide(layout, rows, producer=self.producer,
+                                      bootstrap=self.bootstrap, config=mem.config, kv_name=kv,
+                                      staging=mem.staging, transport=mem.transport)
+        except BaseException:
+            mem.close()
+            raise
+        self._staging = mem.staging
         log.info("kvhandoff %s worker tp %d/%d ready: %s", "prefill" if self.producer
                  else "decode", rank, tp, layout.describe())
 
@@ -210,6 +225,9 @@ class KvhandoffConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                                     per_engine_labelvalues)
 
     def shutdown(self) -> None:
+        if self._staging is not None:
+            self._staging.close()
+            self._staging = None
         if self._worker is not None:
             self._worker.close()
             self._worker = None
@@ -269,16 +287,6 @@ def _mamba(spec: object, hf: Any) -> MambaInfo | None:
                                      for d in spec.dtypes),
                      conv_dim_first=bool(is_conv_state_dim_first()), n_groups=groups,
                      replicated=bool(getattr(spec, "tp_replicated", False)))
-
-
-def _info(t: torch.Tensor) -> TensorInfo:
-    st = t.untyped_storage()
-    cuda = t.device.type == "cuda"
-    return TensorInfo(ptr=t.data_ptr(), shape=tuple(t.shape), strides=tuple(t.stride()),
-                      itemsize=t.element_size(), dtype=str(t.dtype).removeprefix("torch."),
-                      base_ptr=st.data_ptr(), base_nbytes=st.nbytes(),
-                      memory=MemoryKind.CUDA if cuda else MemoryKind.HOST,
-                      device=t.device.index or 0 if cuda else 0)
 
 
 def _identity(cfg: VllmConfig, groups: tuple[GroupInfo, ...], tp: int

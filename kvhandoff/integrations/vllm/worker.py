@@ -16,6 +16,11 @@ vLLM calls in on its step thread; the agent's own threads move the bytes. ``fini
 
 Each request leases an aux row (the 16-byte arrival guard decode checks before it says
 SUCCESS) from a small pool for its lifetime.
+
+With a :class:`Staging` (vLLM's KV in GPU memory over tcp/shm, or ``host_staging``), the
+layout describes a host mirror: prefill copies a request's blocks into it before its
+send starts, decode copies them out of it once the receive succeeded and before vLLM
+hears of it (a copy that fails fails the load).
 """
 
 from __future__ import annotations
@@ -25,8 +30,9 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -40,6 +46,7 @@ from kvhandoff.session.memory import host_view
 from kvhandoff.session.receiver import Receiver
 from kvhandoff.session.sender import Sender
 from kvhandoff.session.status import Status
+from kvhandoff.transport.base import Transport
 
 log = logging.getLogger("kvhandoff.integrations.vllm")
 
@@ -47,11 +54,27 @@ AUX = AuxSpec()
 AUX_NAME = "aux"
 
 
-class AuxRows:
-    """A fixed pool of aux rows; a request holds one from start to finish."""
+class Staging(Protocol):
+    """Moves a request's blocks (one list per group) between vLLM's tensors and the
+    memory the layout describes (:class:`~.host_staging.HostStaging`)."""
 
-    def __init__(self, n: int) -> None:
-        self.buffer, self.component = AUX.allocate(n, name=AUX_NAME)
+    def to_host(self, blocks: Sequence[Sequence[int]]) -> None: ...
+
+    def to_device(self, blocks: Sequence[Sequence[int]]) -> None: ...
+
+
+class AuxRows:
+    """A fixed pool of aux rows; a request holds one from start to finish. ``allocate``
+    supplies the buffer (a transport's, where peers may write only there)."""
+
+    def __init__(self, n: int, allocate: Callable[[int], np.ndarray[Any, Any]] | None = None
+                 ) -> None:
+        if allocate is None:
+            self.buffer, self.component = AUX.allocate(n, name=AUX_NAME)
+        else:
+            self.buffer = allocate(n * AUX.row_bytes)
+            self.component = AUX.component(ptr=int(self.buffer.ctypes.data), num_rows=n,
+                                           name=AUX_NAME)
         self._free = list(range(n - 1, -1, -1))
 
     def take(self) -> int | None:
@@ -148,8 +171,11 @@ class WorkerSide:
     """See the module docstring. Called from vLLM's step thread only."""
 
     def __init__(self, layout: Layout, rows: AuxRows, *, producer: bool, bootstrap: str,
-                 config: SessionConfig, kv_name: str | None) -> None:
+                 config: SessionConfig, kv_name: str | None,
+                 staging: Staging | None = None, transport: Transport | None = None
+                 ) -> None:
         self.producer = producer
+        self.staging = staging
         self.role = "prefill" if producer else "decode"
         self.layout = layout
         self.rows = rows
@@ -161,9 +187,10 @@ class WorkerSide:
         self._item_bytes = {c.name: sum(t.item_bytes for t in c.tensors)
                             for c in layout.components}
         if producer:
-            self.agent = Agent.prefill(layout, bootstrap_url=bootstrap, config=config)
+            self.agent = Agent.prefill(layout, bootstrap_url=bootstrap, config=config,
+                                       transport=transport)
         else:
-            self.agent = Agent.decode(layout, config=config)
+            self.agent = Agent.decode(layout, config=config, transport=transport)
             self._check_pair(bootstrap)
 
     def _check_pair(self, bootstrap: str) -> None:
@@ -224,6 +251,8 @@ class WorkerSide:
                 kv_pages = blocks
             else:
                 state[name] = list(blocks)
+        if self.staging is not None:
+            self.staging.to_host(s.blocks)  # synchronised: the transport reads them next
         self.rows.buffer[row * AUX.row_bytes:(row + 1) * AUX.row_bytes] = 0
         self._dump("prefill", s.request_id, s.blocks)
         sender.init(len(kv_pages), row, num_tokens=s.num_tokens)
@@ -275,9 +304,27 @@ class WorkerSide:
             del self._in[rid]
             if e.row is not None:
                 self.rows.give(e.row)
+            if st is Status.SUCCESS and not e.aborted and not self._unstage(rid, e.lists):
+                failed.add(rid)  # arrived, but not in vLLM's blocks: fail the load
+                recving.add(rid)
+                continue
             (sending if e.aborted else recving).add(rid)
             self._finish(rid, rec, st, e.track, e.groups)
         return sending, recving, failed
+
+    def _unstage(self, rid: str, lists: tuple[tuple[int, ...], ...]) -> bool:
+        """Decode: copy a received request's blocks into vLLM's tensors; False (logged and
+        counted as ``StagingError``) when that fails."""
+        if self.staging is None:
+            return True
+        try:
+            self.staging.to_device(lists)
+        except Exception:  # a failed copy fails this load, never the engine loop
+            log.exception("request %s: received, but its blocks could not be copied into "
+                          "vLLM's KV cache", rid)
+            self.stats.outcome(self.role, "StagingError")
+            return False
+        return True
 
     def _finish(self, rid: str, side: Sender | Receiver | None, st: Status, track: Track,
                 groups: dict[str, int]) -> None:

@@ -1,0 +1,199 @@
+"""Pinned host staging (``kvhandoff.integrations.vllm.host_staging``) on CPU tensors:
+the mirror path the connector takes for a GPU KV cache over tcp/shm, forced here with
+``host_staging`` so the same code runs without a GPU."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from kvhandoff.integrations.vllm.host_staging import (
+    HostStaging,
+    StagingError,
+    flag,
+    kv_memory,
+    runs,
+    tensor_info,
+)
+from kvhandoff.integrations.vllm.layout import GroupInfo, build_layout
+from kvhandoff.session.config import SessionConfig
+
+NB, H, N, C = 8, 2, 4, 16  # blocks, heads, tokens per block, head size (bf16)
+PAGE = 2 * H * N * C * 2  # one block of K and V, bytes
+USEFUL, OFFSET = 96, 64  # a padded raw page view: its bytes, where it starts in the page
+
+
+def _pool(fill: bool, seed: int = 1) -> torch.Tensor:
+    pool = torch.zeros(NB * PAGE, dtype=torch.uint8)
+    if fill:
+        pool[:] = torch.randint(0, 256, (NB * PAGE,), generator=torch.Generator().manual_seed(seed),
+                                dtype=torch.uint8)
+    return pool
+
+
+def _views(pool: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Two aliasing views of one storage, as vLLM hands a hybrid model's layers over: an
+    attention-like ``[2, num_blocks, H, N, C]`` bf16 view (block dimension 1) and a raw
+    int8 ``[num_blocks, 1, USEFUL]`` page view that starts ``OFFSET`` bytes into each
+    page and ends before the page does (padding)."""
+    attn = pool.view(torch.bfloat16).view(2, NB, H, N, C)
+    raw = torch.empty(0, dtype=torch.int8).set_(
+        pool.untyped_storage(), OFFSET, (NB, 1, USEFUL), (PAGE, USEFUL, 1))
+    return {"attn": attn, "raw": raw}
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """Every byte of ``t``'s storage."""
+    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+
+
+GROUPS = (("raw",), ("attn",))
+DIMS = {"attn": 1}
+
+
+def _expected(src: dict[str, torch.Tensor], raw_ids: list[int], attn_ids: list[int]
+              ) -> torch.Tensor:
+    """A zero storage with the chosen blocks of each view copied from ``src`` (by plain
+    indexing, not the staging code's runs)."""
+    out = _views(_pool(False))
+    out["raw"][raw_ids] = src["raw"][raw_ids]
+    out["attn"][:, attn_ids] = src["attn"][:, attn_ids]
+    return _bytes(out["raw"])
+
+
+def test_runs_are_distinct_consecutive_ids() -> None:
+    assert runs([5, 1, 2, 3, 9, 2, 6]) == [(1, 3), (5, 2), (9, 1)]
+    assert runs([]) == []
+
+
+def test_one_mirror_per_storage_with_the_same_offsets_and_strides() -> None:
+    dev = _views(_pool(True))
+    other = torch.zeros(3, NB, 5, dtype=torch.float32)  # a layer with its own storage
+    st = HostStaging({**dev, "other": other}, (("raw",), ("attn", "other")), block_dims=DIMS)
+    assert st.nbytes == NB * PAGE + other.nbytes  # the shared pool once, not per view
+    m = st.mirrors
+    assert m["raw"].untyped_storage().data_ptr() == m["attn"].untyped_storage().data_ptr()
+    for name, t in {**dev, "other": other}.items():
+        h = m[name]
+        assert (h.shape, h.stride(), h.storage_offset(), h.dtype) == (
+            t.shape, t.stride(), t.storage_offset(), t.dtype)
+        assert h.device.type == "cpu" and h.data_ptr() != t.data_ptr()
+        assert h.untyped_storage().nbytes() == t.untyped_storage().nbytes()
+    assert not _bytes(m["raw"]).any()  # zeroed
+
+
+def test_to_host_copies_exactly_the_chosen_blocks_of_each_view() -> None:
+    dev = _views(_pool(True))
+    st = HostStaging(dev, GROUPS, block_dims=DIMS)
+    st.to_host([[1, 6], [0, 4, 5, 7]])
+    assert torch.equal(_bytes(st.mirrors["raw"]), _expected(dev, [1, 6], [0, 4, 5, 7]))
+    st.to_host([[], []])  # nothing moves: nothing changes
+    assert torch.equal(_bytes(st.mirrors["raw"]), _expected(dev, [1, 6], [0, 4, 5, 7]))
+
+
+def test_to_device_copies_exactly_the_chosen_blocks_back() -> None:
+    dev = _views(_pool(False))
+    st = HostStaging(dev, GROUPS, block_dims=DIMS)
+    _bytes(st.mirrors["raw"])[:] = _pool(True, seed=2)  # what a transport wrote
+    st.to_device([[3], [2, 3, 6]])
+    assert torch.equal(_bytes(dev["raw"]), _expected(st.mirrors, [3], [2, 3, 6]))
+    assert _bytes(dev["raw"]).any()
+
+
+def test_a_round_trip_lands_byte_exact_in_another_devices_tensors() -> None:
+    """Prefill's device → its mirror → (the transport: a plain copy here) → decode's
+    mirror → decode's device, with different block ids on the two sides."""
+    p_dev, d_dev = _views(_pool(True, seed=3)), _views(_pool(False))
+    p, d = HostStaging(p_dev, GROUPS, block_dims=DIMS), HostStaging(d_dev, GROUPS, block_dims=DIMS)
+    p.to_host([[2], [1, 3]])
+    d.mirrors["raw"][5] = p.mirrors["raw"][2]
+    d.mirrors["attn"][:, [6, 7]] = p.mirrors["attn"][:, [1, 3]]
+    d.to_device([[5], [6, 7]])
+    assert torch.equal(d_dev["raw"][5], p_dev["raw"][2])
+    # bf16 from random bytes holds NaNs: compare the bits
+    assert torch.equal(d_dev["attn"][:, [6, 7]].view(torch.int16),
+                       p_dev["attn"][:, [1, 3]].view(torch.int16))
+    want = _views(_pool(False))
+    want["raw"][5] = p_dev["raw"][2]
+    want["attn"][:, [6, 7]] = p_dev["attn"][:, [1, 3]]
+    assert torch.equal(_bytes(d_dev["raw"]), _bytes(want["raw"]))  # nothing else touched
+
+
+@pytest.mark.parametrize("bad", [[NB], [-1], [0, NB + 3]])
+@pytest.mark.parametrize("way", ["to_host", "to_device"])
+def test_out_of_range_block_ids_are_refused_before_any_copy(bad: list[int], way: str) -> None:
+    dev = _views(_pool(True))
+    before = _bytes(dev["raw"]).clone()
+    st = HostStaging(dev, GROUPS, block_dims=DIMS)
+    copy: Callable[[list[list[int]]], None] = getattr(st, way)
+    with pytest.raises(StagingError, match=r"group 1 layer 'attn': block ids .* outside its 8 "
+                                           r"blocks; nothing was copied"):
+        copy([[1], bad])  # group 0's block is valid: still not copied
+    assert not _bytes(st.mirrors["raw"]).any()
+    assert torch.equal(_bytes(dev["raw"]), before)
+    with pytest.raises(StagingError, match="1 block lists for 2 staged groups"):
+        copy([[1]])
+
+
+def test_a_missing_layer_or_block_dimension_is_refused() -> None:
+    dev = _views(_pool(False))
+    with pytest.raises(StagingError, match="'gone' has no registered tensor"):
+        HostStaging(dev, (("gone",),))
+    with pytest.raises(StagingError, match="block dimension 5 outside"):
+        HostStaging(dev, (("attn",),), block_dims={"attn": 5})
+
+
+def test_the_layout_of_the_mirror_is_the_devices_shifted() -> None:
+    """build_layout reads the mirrors' base pointer, item stride and padding exactly as
+    it reads the device tensors'."""
+    pool = _pool(False)
+    tensors = {"model.layers.0.mixer": torch.empty(0, dtype=torch.int8).set_(
+                   pool.untyped_storage(), OFFSET, (NB, 1, 1, USEFUL), (PAGE, USEFUL, USEFUL, 1)),
+               "model.layers.1.self_attn.attn": pool.view(torch.bfloat16).view(NB, H, N, 2 * C)}
+    groups = [GroupInfo(0, "mamba", "MambaSpec", N, ("model.layers.0.mixer",)),
+              GroupInfo(1, "full", "FullAttentionSpec", N, ("model.layers.1.self_attn.attn",),
+                        total_heads=H)]
+    st = HostStaging(tensors, [g.layer_names for g in groups])
+
+    def layout(ts: dict[str, torch.Tensor]) -> list[tuple[object, ...]]:
+        lay = build_layout(groups, {n: tensor_info(t) for n, t in ts.items()}, tp_rank=0,
+                           tp_size=1)
+        (region,) = lay.regions
+        return [(region.nbytes,)] + [
+            (t.name, t.ptr - region.ptr, t.nbytes, t.item_bytes, t.stride, t.dtype)
+            for c in lay.components for t in c.tensors]
+
+    assert layout(st.mirrors) == layout(tensors)
+
+
+def test_kv_memory_mirrors_only_when_asked_or_needed() -> None:
+    dev = _views(_pool(True))
+    groups = (("raw",), ("attn",))
+    plain = kv_memory(dev, groups, SessionConfig(transport="tcp"), producer=False)
+    assert plain.staging is None and plain.transport is None and plain.tensors is dev
+    assert "cuda" not in plain.config.transport_options
+    forced = kv_memory(dev, groups, SessionConfig(transport="tcp"), producer=True,
+                       host_staging=True)
+    assert forced.staging is not None and forced.transport is None
+    assert forced.tensors["attn"].data_ptr() != dev["attn"].data_ptr()
+    assert forced.allocate(16).nbytes == 16
+    # shm writes only into its own allocations: decode's mirror comes from there, always
+    shm = kv_memory({"raw": dev["raw"]}, (("raw",),), SessionConfig(transport="shm"),
+                    producer=False)
+    try:
+        assert shm.staging is not None and shm.transport is not None
+        assert shm.transport.name == "shm"
+        assert shm.allocate(32).nbytes == 32
+    finally:
+        shm.close()
+    assert kv_memory(dev, groups, SessionConfig(transport="shm"), producer=True).staging is None
+
+
+def test_the_host_staging_option_is_a_boolean() -> None:
+    assert flag({}, "host_staging") is False
+    assert flag({"host_staging": True}, "host_staging") is True
+    assert flag({"host_staging": "false"}, "host_staging") is False
+    with pytest.raises(ValueError, match="host_staging must be true or false, got 2"):
+        flag({"host_staging": 2}, "host_staging")
