@@ -30,6 +30,10 @@ _COMMON: dict[str, Any] = {
 MODELS: dict[str, dict[str, Any]] = {
     # GQA full attention: 2 layers, head_dim 64.
     "llama": {"num_hidden_layers": 2, "head_dim": 64, "intermediate_size": 512},
+    # Every layer sliding-window attention (64 tokens), as Mistral-7B-v0.1 ships: one
+    # sliding-window KV-cache group and no full-attention one.
+    "mistral": {"num_hidden_layers": 2, "head_dim": 64, "intermediate_size": 512,
+                "sliding_window": 64},
     # Gated delta net (layers 0, 2) + full attention (1, 3) + MoE: vLLM's hybrid KV cache
     # manager makes a Mamba group and an attention group.
     "qwen3_next": {
