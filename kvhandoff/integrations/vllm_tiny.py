@@ -34,6 +34,12 @@ MODELS: dict[str, dict[str, Any]] = {
     # sliding-window KV-cache group and no full-attention one.
     "mistral": {"num_hidden_layers": 2, "head_dim": 64, "intermediate_size": 512,
                 "sliding_window": 64},
+    # Multi-head latent attention, dense MLPs: vLLM's CPU MLA kernel wants the latent row
+    # DeepSeek-V2/V3 use, kv_lora_rank 512 + rope 64.
+    "deepseek_v2": {"num_hidden_layers": 2, "intermediate_size": 512, "kv_lora_rank": 512,
+                    "q_lora_rank": None, "qk_rope_head_dim": 64, "qk_nope_head_dim": 64,
+                    "v_head_dim": 64, "first_k_dense_replace": 2, "n_routed_experts": 4,
+                    "num_experts_per_tok": 2, "moe_intermediate_size": 64},
     # Gated delta net (layers 0, 2) + full attention (1, 3) + MoE: vLLM's hybrid KV cache
     # manager makes a Mamba group and an attention group.
     "qwen3_next": {

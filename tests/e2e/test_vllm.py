@@ -89,7 +89,9 @@ def _model_and_bootstrap(kind: str, root: Path) -> tuple[Path, subprocess.Popen[
     return model, boot, f"127.0.0.1:{port}"
 
 
-@pytest.fixture(scope="module", params=["llama", "mistral", "qwen3_next", "granitemoehybrid"])
+# full attention, all sliding-window, MLA, GDN hybrid, Mamba2 hybrid
+@pytest.fixture(scope="module",
+                params=["llama", "mistral", "deepseek_v2", "qwen3_next", "granitemoehybrid"])
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
          ) -> Iterator[Pair]:
     kind = str(request.param)
