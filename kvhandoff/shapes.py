@@ -411,7 +411,17 @@ def layout_for(
     return Layout(
         page_size=page_size, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
         layers=(lo, hi + (shape.dsv4_draft_layers if last else 0)), components=tuple(comps),
+        identity=_identity(shape),
     )
+
+
+def _identity(shape: ModelShape) -> tuple[tuple[str, str], ...]:
+    """What the two sides must share that no tensor's geometry shows: the sliding window
+    decides which pages each side's window list names (lists of windows that differ pair
+    the wrong pages), so the handshake compares it (:attr:`Layout.identity`)."""
+    if shape.sliding_window and shape.has(LayerKind.SWA, *_DSV4):
+        return (("sliding_window", str(shape.sliding_window)),)
+    return ()
 
 
 def _dtype(nbytes: int) -> str:

@@ -1,14 +1,16 @@
 """What a Hugging Face model keeps per request, as a kvhandoff ``ModelShape`` plus codecs.
 
-:func:`describe` runs the model once on a few tokens and looks at the cache it builds:
+:func:`describe` runs the model once on a few tokens and looks at the cache it builds
+(handed over as ``past_key_values`` or, for attention-free SSMs such as Mamba, as
+``cache_params``: whichever keyword the model's forward takes, :func:`cache_keyword`):
 each cache layer's *kind* picks a codec (:mod:`kvhandoff.engine.codecs`), and the
 tensors' shapes give the dimensions. The one piece of family knowledge is how a
 linear-attention conv's channels split into independently sharded sub-blocks:
 gated delta nets (configs with ``linear_key_head_dim``: Qwen3-Next, Qwen3.5) use
 ``[q | k | v]``; Mamba2 mixers use ``[x | B | C]``; Mamba1 mixers (a 3-D recurrent state
-``[d_inner, d_state]``: Jamba) have one channel axis ``d_inner``, which also indexes the
-SSM state. Everything else is read off the cache, so a new family built from the same
-cache-layer kinds needs no code here.
+``[d_inner, d_state]``: Jamba, Mamba, Falcon-Mamba) have one channel axis ``d_inner``,
+which also indexes the SSM state. Everything else is read off the cache, so a new family
+built from the same cache-layer kinds needs no code here.
 
 Kinds: full / sliding attention, MLA (+ DSA indexer), linear attention (GDN, Mamba2,
 Mamba1), ``"hybrid"`` layers holding attention K/V and a Mamba2 slot at once (Falcon-H1),
@@ -20,6 +22,7 @@ exactly as the library's named shapes describe real deployments (sglang's pools)
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +76,28 @@ def _kind(cache_layer: Any) -> str:
     return type(cache_layer).__name__
 
 
+def cache_keyword(model: PreTrainedModel) -> str:
+    """The keyword ``model``'s forward takes its cache by: ``past_key_values`` (attention
+    and hybrid models) or ``cache_params`` (attention-free SSMs: Mamba, Mamba2,
+    Falcon-Mamba). Read off the signature, so any family taking either one works; a
+    cache passed by the wrong name would land in ``**kwargs`` and stay empty."""
+    params = inspect.signature(model.forward).parameters
+    kw = next((k for k in ("past_key_values", "cache_params") if k in params), None)
+    if kw is None:
+        raise LayoutError(f"{type(model).__name__}.forward takes no cache (neither "
+                          f"past_key_values nor cache_params); the engine cannot hand it off")
+    return kw
+
+
+def forward(model: PreTrainedModel, ids: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+    """Logits of the last position after feeding ``ids`` (``[1, n]``) into ``cache``
+    (no gradients)."""
+    with torch.no_grad():
+        out = model(ids, use_cache=True, **{cache_keyword(model): cache})
+    logits: torch.Tensor = out.logits[0, -1]
+    return logits
+
+
 def describe(model: PreTrainedModel, name: str = "") -> Arch:
     """Probe ``model`` (one forward of a few tokens, no gradients) and describe its state.
 
@@ -83,9 +108,7 @@ def describe(model: PreTrainedModel, name: str = "") -> Arch:
     """
     cfg = model.config.get_text_config(decoder=True)
     cache = DynamicCache(config=model.config)
-    with torch.no_grad():
-        model(torch.zeros((1, _PROBE_TOKENS), dtype=torch.long), past_key_values=cache,
-              use_cache=True)
+    forward(model, torch.zeros((1, _PROBE_TOKENS), dtype=torch.long), cache)
     kinds = [_kind(layer) for layer in cache.layers]
     dsv4 = any(k in _DSV4_KINDS for k in kinds)
     mla = getattr(cfg, "kv_lora_rank", None) is not None
@@ -173,6 +196,10 @@ class _ShapeBuilder:
             raise LayoutError(f"{self.name} layer {i}: {layer.number_of_states} conv states "
                               f"per layer; the engine maps exactly one")
         conv, ssm = layer.conv_states[0], layer.recurrent_states[0]
+        if conv is None and ssm is None:
+            raise LayoutError(f"{self.name} layer {i}: the probe forward left this "
+                              f"linear-attention layer empty (no conv, no recurrent state); "
+                              f"the model did not fill the cache it was given")
         if conv is None or ssm is None or ssm.dim() not in (3, 4):
             got = "no" if ssm is None else f"a {ssm.dim()}-D"
             raise LayoutError(

@@ -28,7 +28,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from kvhandoff.engine.alloc import IdArray
-from kvhandoff.engine.arch import Arch
+from kvhandoff.engine.arch import Arch, forward
 from kvhandoff.engine.codecs import Field, Key, LayerCodec, RowArray, Series
 from kvhandoff.engine.pools import (
     PAGE_TYPES,
@@ -200,7 +200,4 @@ class Instance:
     def forward(self, cache: DynamicCache, tokens: list[int] | np.ndarray) -> torch.Tensor:
         """Logits of the last position after feeding ``tokens`` into ``cache``."""
         ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64)).reshape(1, -1)
-        with torch.no_grad():
-            out = self.model(ids, past_key_values=cache, use_cache=True)
-        logits: torch.Tensor = out.logits[0, -1]
-        return logits
+        return forward(self.model, ids, cache)

@@ -98,6 +98,24 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
                 "mamba_expand": 1, "mamba_chunk_size": 8, "mamba_d_ssm": 64},
     ),
     Architecture(
+        name="mamba", model_type="mamba",
+        about="Mamba: attention-free Mamba1 (conv + SSM [d_inner, d_state]), cache_params",
+        config={"num_hidden_layers": 2, "state_size": 8, "expand": 1, "conv_kernel": 4,
+                "time_step_rank": 8},
+    ),
+    Architecture(
+        name="mamba2", model_type="mamba2",
+        about="Mamba2: attention-free Mamba2 (conv [x|B|C] + SSM), cache_params",
+        config={"num_hidden_layers": 2, "num_heads": 8, "head_dim": 8, "n_groups": 4,
+                "state_size": 8, "expand": 1, "conv_kernel": 4, "chunk_size": 16},
+    ),
+    Architecture(
+        name="falcon_mamba", model_type="falcon_mamba",
+        about="Falcon-Mamba: attention-free Mamba1 with RMS-normed B/C/dt, cache_params",
+        config={"num_hidden_layers": 2, "state_size": 8, "expand": 1, "conv_kernel": 4,
+                "time_step_rank": 8},
+    ),
+    Architecture(
         name="gpt_oss", model_type="gpt_oss",
         about="GPT-OSS: alternating sliding-window (8) and full attention, attention sinks",
         config={"num_hidden_layers": 4, "num_key_value_heads": 2, "head_dim": 16,
@@ -109,6 +127,12 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
         config={"num_hidden_layers": 4, "num_key_value_heads": 2, "head_dim": 16,
                 "intermediate_size": 64, "sliding_window": 8,
                 "layer_types": ["sliding_attention", "full_attention"] * 2},
+    ),
+    Architecture(
+        name="mistral", model_type="mistral",
+        about="Mistral (v0.1): every layer sliding-window (8) attention, so no full KV",
+        config={"num_hidden_layers": 2, "num_key_value_heads": 2, "head_dim": 16,
+                "intermediate_size": 64, "sliding_window": 8},
     ),
     Architecture(
         name="deepseek_v3", model_type="deepseek_v3",

@@ -2,8 +2,10 @@
 
 Per request (:meth:`PrefillInstance.run`), as sglang's ``_send_kv_chunk`` does:
 
-1. announce the request on every rank and learn decode's prefix length (pages below it
-   are dropped by the transfer; chunks that hold only such pages are not sent);
+1. announce the request on every rank (its KV page count: zero when no component moves
+   chunk by chunk, e.g. all-sliding-window attention) and learn decode's prefix length
+   (pages below it are dropped by the transfer; chunks that hold only such pages, or no
+   chunked component at all, are not sent);
 2. for every chunk of ``chunk`` prompt tokens: grow the page table, run the HF model
    over the chunk with the request's cache, copy the rows the chunk produced (token
    rows, compressed entries) into every rank's pools, evict sliding-window pages that
@@ -64,7 +66,11 @@ class PrefillInstance(Instance):
             raise ValueError(f"request {rid}: empty prompt")
         req = self.tables.new_request()
         try:
-            pages_total = -(-n // ps)
+            # KV pages the transfer will carry: none when no component moves by chunk (a
+            # model whose attention is all sliding-window keeps only window pages, which
+            # move with the last chunk like every other state component)
+            chunked = any(c.type in CHUNKED_TYPES for c in self.layout.components)
+            pages_total = -(-n // ps) if chunked else 0
             prefix = max(transfer.start(rid, r, pages_total, req.slot) for r in range(self.tp))
             cache = self.new_cache()
             marks = {k: 0 for k, (_, f) in self.fields.items()
@@ -81,7 +87,7 @@ class PrefillInstance(Instance):
                     self.tables.evict_swa(req, e - self.arch.window)
                 last = e == n
                 end = n if last else e - e % ps
-                if not last and (end <= sent or end <= prefix):
+                if not last and (not chunked or end <= sent or end <= prefix):
                     continue  # nothing decode lacks is complete yet
                 state = None
                 if last:
@@ -90,7 +96,8 @@ class PrefillInstance(Instance):
                                             window=self.arch.window)
                     state = {c.name: lists[c.name] for c in self.layout.components
                              if c.type not in CHUNKED_TYPES}
-                chunk = Chunk(pages=req.pages[sent // ps:-(-end // ps)], last=last, state=state)
+                pages = req.pages[sent // ps:-(-end // ps)] if chunked else req.pages[:0]
+                chunk = Chunk(pages=pages, last=last, state=state)
                 for r in range(self.tp):
                     transfer.send(rid, r, chunk)
                 sent, sends = end, sends + 1

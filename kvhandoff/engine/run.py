@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
 
-from kvhandoff.engine.arch import Arch, describe
+from kvhandoff.engine.arch import Arch, describe, forward
 from kvhandoff.engine.decode import DecodeInstance
 from kvhandoff.engine.instance import Snapshot
 from kvhandoff.engine.models import ARCHITECTURES, load_model
@@ -127,16 +127,13 @@ def colocated_greedy(model: PreTrainedModel, tokens: Sequence[int] | np.ndarray,
     ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64)).reshape(1, -1)
     step_len = chunk or ids.shape[1]
     out: list[int] = []
-    with torch.no_grad():
-        for s in range(0, ids.shape[1], step_len):
-            logits = model(ids[:, s:s + step_len], past_key_values=cache,
-                           use_cache=True).logits[0, -1]
-        while True:
-            out.append(int(logits.argmax()))
-            if len(out) == max_new_tokens:
-                return out
-            step = torch.tensor([[out[-1]]])
-            logits = model(step, past_key_values=cache, use_cache=True).logits[0, -1]
+    for s in range(0, ids.shape[1], step_len):
+        logits = forward(model, ids[:, s:s + step_len], cache)
+    while True:
+        out.append(int(logits.argmax()))
+        if len(out) == max_new_tokens:
+            return out
+        logits = forward(model, torch.tensor([[out[-1]]]), cache)
 
 
 def compare(prefill: Snapshot, decode: Snapshot) -> str:

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from kvhandoff.errors import OutOfBounds, PlanError
 from kvhandoff.layout import Layout, TensorSpec
-from kvhandoff.plan.compat import ComponentPair, TensorPair, pair_layouts, unit_kind
+from kvhandoff.plan.compat import ComponentPair, TensorPair, by_rows, pair_layouts, unit_kind
 from kvhandoff.plan.model import Plan, TensorPlan, _entry
 from kvhandoff.plan.pairing import check_unique, pair_items, ring_units, token_units
 from kvhandoff.plan.request import IndexArray, Indices, Request
@@ -61,8 +61,10 @@ class _UnitCache:
         self.comp, self.idx, self.notes = comp, idx, notes
         self.units: dict[tuple[str, int, int], Units] = {}
         self.items: tuple[IndexArray, IndexArray] | None = None
-        if not comp.tensors and idx.num_rows is None and not (
-                idx.src_first_row or idx.dst_first_row):
+        if idx.num_rows is not None and comp.tensors and not comp.token_rows:
+            raise PlanError(f"component {comp.name!r}: num_rows {idx.num_rows} given, but none "
+                            f"of its tensors holds token rows (it counts token rows only)")
+        if not comp.tensors and not by_rows(idx):
             self.paired()  # nothing to move here, but the lists still obey the policy
 
     def paired(self) -> tuple[IndexArray, IndexArray]:
@@ -94,8 +96,7 @@ def _component(comp: ComponentPair, idx: Indices, notes: list[str]) -> list[Tens
     general path (sharing the units computed so far), which raises exactly what it
     would have raised alone."""
     cache = _UnitCache(comp, idx, notes)
-    first_row = bool(idx.src_first_row or idx.dst_first_row)
-    table = comp.tables[first_row]
+    table = comp.tables[by_rows(idx)]
     units: list[Units] = []
     for kind in table.kinds:
         u = cache.get(kind.key)
@@ -118,10 +119,10 @@ def _component_general(
     """Tensor by tensor: validate its units, bounds-check it, emit it."""
     if cache is None:
         cache = _UnitCache(comp, idx, notes)
-    first_row = bool(idx.src_first_row or idx.dst_first_row)
+    rows = by_rows(idx)
     out = []
     for tp in comp.tensors:
-        key, by_row = unit_kind(tp, first_row)
+        key, by_row = unit_kind(tp, rows)
         u = cache.get(key)  # validates on every rank, writer or not
         if not len(u.src) or not len(tp.item_pieces):
             continue

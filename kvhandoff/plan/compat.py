@@ -15,6 +15,7 @@ import numpy as np
 
 from kvhandoff.errors import LayoutMismatch
 from kvhandoff.layout import NO_LAYER, Component, Layout, RowKind, TensorSpec
+from kvhandoff.plan.request import Indices
 from kvhandoff.plan.shard import NO_PIECES, Side, pieces
 from kvhandoff.state_types import Policy, policy
 
@@ -62,12 +63,16 @@ class ComponentPair:
     # every non-elided pair, including those this source does not write (another rank
     # was elected): a request is validated the same way on every rank
     tensors: tuple[TensorPair, ...]
-    # [no first row given, a first row given]: see unit_tables()
+    # [whole pages, token rows named by the request (by_rows)]: see unit_table()
     tables: tuple[UnitTable, UnitTable] = field(init=False, repr=False, compare=False)
+    # some tensor holds token rows (what a request's num_rows counts)
+    token_rows: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tables", (unit_table(self.name, self.tensors, False),
                                             unit_table(self.name, self.tensors, True)))
+        object.__setattr__(self, "token_rows",
+                           any(tp.src.row_kind is RowKind.TOKEN for tp in self.tensors))
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,12 +209,18 @@ def _pieces(src: Layout, dst: Layout, s: TensorSpec, t: TensorSpec, rows: bool) 
 _NO_LIMIT = sys.maxsize  # above any int64 index
 
 
-def unit_kind(tp: TensorPair, first_row: bool) -> tuple[tuple[str, int, int], bool]:
+def by_rows(idx: Indices) -> bool:
+    """Whether a request names token rows itself (a first row on either side, or
+    ``num_rows``): TOKEN tensors then move row by row even when whole pages match."""
+    return bool(idx.src_first_row or idx.dst_first_row or idx.num_rows is not None)
+
+
+def unit_kind(tp: TensorPair, rows: bool) -> tuple[tuple[str, int, int], bool]:
     """The units key of a tensor pair and whether it moves by rows: the same decision the
-    general path of the planner makes per tensor (``first_row``: the request gives a
-    first row on either side)."""
+    general path of the planner makes per tensor (``rows``: :func:`by_rows` of the
+    request)."""
     s, t = tp.src, tp.dst
-    row_path = s.row_kind is RowKind.TOKEN and (not tp.same_rows or first_row)
+    row_path = s.row_kind is RowKind.TOKEN and (not tp.same_rows or rows)
     ring_path = s.row_kind is RowKind.RING and not tp.same_rows
     key = ("token" if row_path else "ring" if ring_path else "item", s.rows, t.rows)
     return key, bool(row_path or ring_path)
@@ -224,11 +235,11 @@ def _max_index(unit: int, extent: int, nbytes: int) -> int:
     return -1  # never happens for a validated layout; -1 sends it down the general path
 
 
-def unit_table(name: str, tensors: tuple[TensorPair, ...], first_row: bool) -> UnitTable:
+def unit_table(name: str, tensors: tuple[TensorPair, ...], rows: bool) -> UnitTable:
     keys: dict[tuple[str, int, int], list[int]] = {}  # key -> [src_max, dst_max]
     writers: list[tuple[int, dict[str, object]]] = []
     for tp in tensors:
-        key, by_row = unit_kind(tp, first_row)
+        key, by_row = unit_kind(tp, rows)
         lim = keys.setdefault(key, [_NO_LIMIT, _NO_LIMIT])
         if not len(tp.item_pieces):
             continue

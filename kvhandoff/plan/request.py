@@ -35,9 +35,12 @@ class Indices:
     ``src`` / ``dst``: item indices (pages, slots or rows) on each side, paired
     position by position.
     ``src_first_row`` / ``dst_first_row`` / ``num_rows``: for TOKEN tensors whose
-    page sizes differ (or a chunk that starts mid-page on one side), the token rows
-    to move: row ``i`` of the chunk is row ``first_row + i`` of the concatenated
-    pages. ``num_rows`` defaults to what the pages hold.
+    page sizes differ (or a chunk that starts mid-page on one side, or ends
+    mid-page), the token rows to move: row ``i`` of the chunk is row
+    ``first_row + i`` of the concatenated pages. ``num_rows`` defaults to what the
+    pages hold; when given, exactly that many rows move, whatever the page sizes
+    (more than both sides' pages hold is an error, as is ``num_rows`` for a component
+    none of whose tensors holds token rows).
     ``positions``: for RING tensors whose ring sizes differ, the logical positions
     whose rows move (row of position ``p`` is ``p % ring``).
     """

@@ -155,6 +155,11 @@ def _tensor_pairs(src: Layout, dst: Layout, request: Request
             continue
         src_comp = _component(src, comp)
         by_key = {t.key: t for t in src_comp.tensors}
+        live = [t for t in comp.tensors if not t.elided and t.key in by_key]
+        if idx.num_rows is not None and live and all(
+                t.row_kind is not RowKind.TOKEN for t in live):
+            raise PlanError(f"component {comp.name!r}: num_rows {idx.num_rows} given, but "
+                            f"none of its tensors holds token rows")
         for dt in comp.tensors:
             st = by_key.get(dt.key)
             if st is not None and _stage_writes(src, dst, dt):
@@ -206,6 +211,7 @@ def _units(comp: Component, st: TensorSpec, dt: TensorSpec, idx: Indices
         raise LayoutMismatch(f"tensor {dt.key}: row kinds {st.row_kind} vs {dt.row_kind}")
     token_rows = st.row_kind is RowKind.TOKEN and (
         st.rows != dt.rows or idx.src_first_row != 0 or idx.dst_first_row != 0
+        or idx.num_rows is not None
     )
     if token_rows:
         units, trim = _token_units(comp, st, dt, idx)

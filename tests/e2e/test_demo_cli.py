@@ -29,6 +29,20 @@ def test_demo_hands_off_and_matches_colocated(capsys: pytest.CaptureFixture[str]
     assert data["ok"] is True and data["leaks"] == {}
 
 
+def test_demo_hands_off_a_local_all_sliding_window_checkpoint(
+        capsys: pytest.CaptureFixture[str], tmp_path: object) -> None:
+    """A checkpoint directory whose attention is all sliding-window (Mistral-7B-v0.1's
+    config), as a user passes it: no KV component, the window pages move instead."""
+    from kvhandoff.engine import load_model
+
+    load_model("mistral", seed=5).save_pretrained(f"{tmp_path}/ckpt")
+    args = ["demo", "--model", f"{tmp_path}/ckpt", "--prefill-tp", "1", "--decode-tp", "2",
+            "--requests", "2", "--max-new-tokens", "4", "--chunk", "8"]
+    assert cli.main(args) == 0
+    text = capsys.readouterr().out
+    assert text.count("tokens equal ✓") == 2 and "2/2 requests" in text and "✗" not in text
+
+
 def test_demo_fails_on_a_corrupted_byte(capsys: pytest.CaptureFixture[str]) -> None:
     # decode flips one received KV byte before rebuilding its cache: the check must fail
     assert cli.main([*SMALL, "--corrupt", "kv"]) == 1

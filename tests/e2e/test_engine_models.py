@@ -20,14 +20,14 @@ from kvhandoff.engine import (  # noqa: E402
     run_disaggregated,
     sample_prompts,
 )
-from kvhandoff.engine.arch import describe  # noqa: E402
+from kvhandoff.engine.arch import cache_keyword, describe  # noqa: E402
 from kvhandoff.errors import LayoutError  # noqa: E402
 from kvhandoff.shapes import LayerKind  # noqa: E402
 
 torch.set_num_threads(1)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "bamba", "gemma3"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "bamba", "gemma3", "mistral"])
 def test_other_families_need_no_engine_code(arch: str) -> None:
     result = run_disaggregated(arch, sample_prompts([16, 23, 37], seed=4), prefill_tp=2,
                                decode_tp=4, chunk=6)
@@ -38,13 +38,17 @@ def test_other_families_need_no_engine_code(arch: str) -> None:
 def test_described_layer_kinds() -> None:
     kinds = {name: describe(load_model(name), name).shape.layers
              for name in ("qwen3_next", "nemotron_h", "jamba", "falcon_h1", "gpt_oss",
-                          "deepseek_v32", "deepseek_v4")}
+                          "mistral", "mamba", "mamba2", "falcon_mamba", "deepseek_v32",
+                          "deepseek_v4")}
     L = LayerKind
     assert kinds["qwen3_next"] == (L.GDN, L.ATTN, L.GDN, L.ATTN)
     assert kinds["nemotron_h"] == (L.MAMBA2, L.MLP, L.MAMBA2, L.ATTN)
     assert kinds["jamba"] == (L.MAMBA1, L.ATTN, L.MAMBA1, L.ATTN)
     assert kinds["falcon_h1"] == (L.ATTN_MAMBA2, L.ATTN_MAMBA2)
     assert kinds["gpt_oss"] == (L.SWA, L.ATTN, L.SWA, L.ATTN)
+    assert kinds["mistral"] == (L.SWA, L.SWA)
+    assert kinds["mamba"] == kinds["falcon_mamba"] == (L.MAMBA1, L.MAMBA1)
+    assert kinds["mamba2"] == (L.MAMBA2, L.MAMBA2)
     assert kinds["deepseek_v32"] == (L.MLA, L.MLA)
     assert kinds["deepseek_v4"] == (L.DSV4_W, L.DSV4_C4, L.DSV4_C128, L.DSV4_C4)
 
@@ -77,6 +81,51 @@ def test_mamba1_and_attention_mamba2_layers(arch: str) -> None:
         pages = -(-r.prompt_len // 4)
         # K and V x 2 KV heads x 16 x fp32 per token; decode TP 4 holds each head twice
         assert r.bytes_by_component["kv"] == 2 * kv_layers * pages * 4 * 2 * 2 * 16 * 4
+
+
+# attention-free: 2 layers, fp32, no KV component at all. Mamba / Falcon-Mamba (Mamba1,
+# d_inner 64, d_state 8, K 4): conv 64 x 3 + SSM 64 x 8; Mamba2 (8 heads x 8, 4 groups,
+# state 8): conv [x|B|C] = 64 + 2 x 4 x 8 channels x 3 + SSM 8 x 8 x 8
+SSM_BYTES = {"mamba": 2 * (64 * 3 + 64 * 8) * 4, "falcon_mamba": 2 * (64 * 3 + 64 * 8) * 4,
+             "mamba2": 2 * ((64 + 2 * 4 * 8) * 3 + 8 * 8 * 8) * 4}
+SSM_PAIRS = [(a, p) for a in SSM_BYTES for p in ((2, 1), (1, 2))]
+
+
+@pytest.mark.parametrize(("arch", "pair"), SSM_PAIRS,
+                         ids=[f"{a}-tp{p[0]}to{p[1]}" for a, p in SSM_PAIRS])
+def test_attention_free_ssm_models(arch: str, pair: tuple[int, int]) -> None:
+    """Mamba, Mamba2 and Falcon-Mamba take their cache as ``cache_params``, not
+    ``past_key_values`` (the probe used to see an empty cache and blame short
+    convolutions): their layers are the Mamba1 / Mamba2 kinds, and only the slot moves."""
+    model = load_model(arch)
+    assert cache_keyword(model) == "cache_params"
+    assert cache_keyword(load_model("llama")) == "past_key_values"
+    result = run_disaggregated(model, sample_prompts([5, 16, 23, 37], seed=8),
+                               prefill_tp=pair[0], decode_tp=pair[1], chunk=6)
+    assert result.ok, [(r.disaggregated, r.colocated, r.state_diff) for r in result.requests]
+    assert not any(result.leaks.values()), result.leaks
+    for r in result.requests:
+        assert len(r.disaggregated) == 16
+        assert set(r.bytes_by_component) == {"mamba", "aux"}
+        assert r.bytes_by_component["mamba"] == SSM_BYTES[arch]
+
+
+def test_a_cache_the_model_never_fills_is_named() -> None:
+    """A model handed its cache under a name its forward does not take leaves every
+    layer empty: the probe says so instead of blaming the layer's kind."""
+
+    class Forgetful(torch.nn.Module):
+        config = load_model("mamba2").config
+
+        def forward(self, input_ids: object, past_key_values: object = None,
+                    use_cache: bool = True) -> object:
+            class Out:
+                logits = torch.zeros((1, 1, 4))
+            return Out()
+
+    with pytest.raises(LayoutError, match="layer 0: the probe forward left this "
+                                          "linear-attention layer empty"):
+        describe(Forgetful())  # type: ignore[arg-type]
 
 
 def test_jamba_bf16_conv_with_fp32_ssm_state() -> None:

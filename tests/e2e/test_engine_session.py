@@ -41,6 +41,8 @@ NEW_TOKENS = 16
 # several chunks. DeepSeek-V4 pages hold 128 tokens (whole C4 and C128 rows).
 SETUP = {name: ([5, 16, 23, 37], 6) for name in CORE}
 SETUP["deepseek_v4"] = ([130, 256], 64)
+SETUP["mistral"] = ([5, 16, 23, 37], 6)  # every layer sliding-window (8): no KV component
+SETUP["mamba2"] = ([5, 16, 23, 37], 6)  # attention-free: no KV component either
 # the other transports: one or two architectures each, different state types
 OTHERS = [("shm", "qwen3_next", (2, 1)), ("shm", "deepseek_v4", (1, 2)),
           ("mooncake", "nemotron_h", (1, 2)), ("mooncake", "gpt_oss", (2, 4)),
@@ -110,14 +112,15 @@ def handoff(url: str, arch: str, pair: tuple[int, int], *, transport: str = "tcp
     return result, link.planned
 
 
-def check(result: RunResult, planned: dict[int, dict[str, int]]) -> None:
+def check(result: RunResult, planned: dict[int, dict[str, int]],
+          moved: frozenset[str] = frozenset({"kv", "aux"})) -> None:
     bad = [f"rid {r.rid} len {r.prompt_len}: tokens {r.disaggregated} vs {r.colocated}; "
            f"state: {r.state_diff or 'equal'}" for r in result.requests if not r.ok]
     assert result.ok, "\n".join([*bad, f"leaks: {result.leaks}"])
     assert not any(result.leaks.values()), result.leaks
     for r in result.requests:
         assert len(r.disaggregated) == NEW_TOKENS
-        assert {"kv", "aux"} <= set(r.bytes_by_component)
+        assert moved <= set(r.bytes_by_component)
         assert r.bytes_by_component == planned[r.rid], f"rid {r.rid}"
 
 
@@ -130,6 +133,28 @@ def test_engine_over_sessions_and_tcp(bootstrap_url: str, arch: str, pair: tuple
     check(result, planned)
     if pair == (1, 2):
         assert any(r.prefix_len for r in result.requests), "no request hit the prefix cache"
+
+
+@pytest.mark.parametrize("pair", [(2, 1), (1, 2)], ids=lambda p: f"tp{p[0]}to{p[1]}")
+def test_all_sliding_window_attention_over_tcp(bootstrap_url: str, pair: tuple[int, int]
+                                               ) -> None:
+    """Every attention layer sliding-window (Mistral-7B-v0.1's config): the layout has
+    no KV component, so prefill announces no KV pages and the window pages move with the
+    last chunk (this failed at the first request: "init announced 2 KV pages but the
+    layout has no KV"). 1 -> 2 also hits decode's prefix cache below the window."""
+    result, planned = handoff(bootstrap_url, "mistral", pair, hit=pair == (1, 2))
+    check(result, planned, frozenset({"swa", "aux"}))
+    assert all("kv" not in r.bytes_by_component for r in result.requests)
+    if pair == (1, 2):
+        assert any(r.prefix_len for r in result.requests), "no request hit the prefix cache"
+
+
+def test_attention_free_ssm_over_tcp(bootstrap_url: str) -> None:
+    """Mamba2 (cache_params, no attention): only the state slot and aux move, over a real
+    session; prefill announces no KV pages."""
+    result, planned = handoff(bootstrap_url, "mamba2", (2, 1))
+    check(result, planned, frozenset({"mamba", "aux"}))
+    assert all(set(r.bytes_by_component) == {"mamba", "aux"} for r in result.requests)
 
 
 @pytest.mark.parametrize(("transport", "arch", "pair"), OTHERS,

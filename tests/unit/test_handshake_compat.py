@@ -167,3 +167,27 @@ def test_a_hello_whose_rank_disagrees_with_its_layout_is_rejected() -> None:
     assert isinstance(reply, HelloReject)
     assert reply.problems == ("decode rank decode dp0 tp0/2 pp0/1 sent a layout of tp 1/2 "
                               "pp 0/1",)
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "deepseek_v4"])
+def test_a_different_sliding_window_is_named(name: str) -> None:
+    """The window decides which pages each side's SWA list names, yet not one tensor's
+    geometry: a pair whose windows differ would pair the wrong pages mid-request (the
+    SWA lists trim to their common prefix), so the handshake refuses it, naming both."""
+    sh = shapes.tiny(shapes.get(name))
+    assert report(lay(sh), lay(replace(sh, sliding_window=sh.sliding_window))) == []
+    problems = report(lay(sh), lay(replace(sh, sliding_window=2 * sh.sliding_window)))
+    assert problems == [f"sliding_window: prefill has '{sh.sliding_window}', decode has "
+                        f"'{2 * sh.sliding_window}'; both sides must run the same "
+                        f"sliding_window"]
+
+
+def test_all_sliding_window_layers_pair_without_a_kv_component() -> None:
+    """Every layer sliding-window (Mistral-7B-v0.1): the layout holds window pages and no
+    full KV component, on both sides alike, at every TP pair."""
+    sh = shapes.ModelShape(name="all_swa", layers=(shapes.LayerKind.SWA,) * 4, kv_heads=2,
+                           head_dim=8, sliding_window=8, aux_row_bytes=64)
+    assert [c.name for c in lay(sh).components] == ["swa", "aux"]
+    for tp, td in [(1, 1), (2, 1), (1, 2), (2, 4)]:
+        for t, d in itertools.product(range(tp), range(td)):
+            assert report(lay(sh, tp_rank=t, tp_size=tp), lay(sh, tp_rank=d, tp_size=td)) == []

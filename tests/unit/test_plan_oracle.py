@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 import pytest
-from hypothesis import HealthCheck, assume, event, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from kvhandoff.errors import IndexLengthMismatch, OutOfBounds, PlanError, TrimWarning
@@ -268,10 +268,13 @@ def token_indices(draw: st.DrawFn, c: CompDef) -> Indices | None:
     # First rows may skip whole pages: the semantics only index concatenated pages.
     fs = draw(st.integers(0, len(s) * rs))
     fd = draw(st.integers(0, len(d) * rd))
-    if rs == rd and fs == 0 and fd == 0:
-        return None
     cs, cd = len(s) * rs - fs, len(d) * rd - fd
     exact = policy(c.type).length is LengthPolicy.EXACT
+    if rs == rd and fs == 0 and fd == 0:  # whole pages, unless num_rows says fewer rows
+        if draw(st.booleans()):
+            return None
+        return Indices(np.array(s, dtype=np.int64), np.array(d, dtype=np.int64),
+                       num_rows=draw(lengths(min(cs, cd))))
     if draw(st.booleans()) or (exact and cs != cd):
         n: int | None = draw(lengths(min(cs, cd)))
     else:
@@ -512,7 +515,6 @@ def test_token_rows_past_the_pages_raise(data: st.DataObject) -> None:
     c = CompDef(StateType.KV, "c", rows, (3, 3), (TensorDef("t", True, None, 2, frozenset()),))
     fs = data.draw(st.integers(0, 3 * rows[SRC]))
     fd = data.draw(st.integers(0, 3 * rows[DST]))
-    assume(rows[SRC] != rows[DST] or fs or fd)  # else whole pages move and num_rows is moot
     n = min(3 * rows[SRC] - fs, 3 * rows[DST] - fd) + data.draw(st.integers(1, 3))
     idx = Indices([0, 1, 2], [2, 1, 0], src_first_row=fs, dst_first_row=fd, num_rows=n)
     srcs, dst = build_all(Case((c,), 1, (1, 1), 1, 0, {"c": idx}, 0))
@@ -520,6 +522,51 @@ def test_token_rows_past_the_pages_raise(data: st.DataObject) -> None:
         expected_writes([srcs[0].layout], dst.layout, {"c": idx})
     with pytest.raises(PlanError):
         plan(srcs[0].layout, dst.layout, {"c": idx})
+
+
+@pytest.mark.parametrize("n", [0, 1, 3, 4])
+def test_num_rows_on_equal_whole_pages_moves_exactly_that_many(n: int) -> None:
+    """Equal page sizes and no first row: ``num_rows`` still says how many token rows
+    move (it used to be ignored, moving the whole 4-row page whatever it said)."""
+    td = TensorDef("k", True, None, 3, frozenset())
+    c = CompDef(StateType.KV, "kv", (4, 4), (2, 2), (td,))
+    case = Case((c,), 1, (1, 1), 1, 0, {"kv": Indices([1], [0], num_rows=n)}, 4)
+    before = tensor_bytes(build_all(case)[1], "kv", "k").reshape(2, 4, 3)[0].copy()
+    srcs, dst, want = run_case(case)
+    assert len(want) == n * 3
+    s = tensor_bytes(srcs[0], "kv", "k").reshape(2, 4, 3)[1]
+    d = tensor_bytes(dst, "kv", "k").reshape(2, 4, 3)[0]
+    np.testing.assert_array_equal(d[:n], s[:n])
+    np.testing.assert_array_equal(d[n:], before[n:])  # nothing past num_rows landed
+    assert n == 4 or not np.array_equal(d[n:], s[n:])  # (the rows past it did differ)
+
+
+@pytest.mark.parametrize("n", [5, 100])
+def test_num_rows_past_equal_whole_pages_is_refused(n: int) -> None:
+    """More rows than one 4-row page holds: refused by the planner and the oracle, the
+    message naming the value."""
+    td = TensorDef("k", True, None, 3, frozenset())
+    c = CompDef(StateType.KV, "kv", (4, 4), (2, 2), (td,))
+    idx = Indices([1], [0], num_rows=n)
+    srcs, dst = build_all(Case((c,), 1, (1, 1), 1, 0, {"kv": idx}, 4))
+    with pytest.raises(PlanError, match=f"num_rows {n} exceeds"):
+        expected_writes([srcs[0].layout], dst.layout, {"kv": idx})
+    with pytest.raises(PlanError, match=f"{n} token rows requested"):
+        plan(srcs[0].layout, dst.layout, {"kv": idx})
+
+
+def test_num_rows_on_a_component_without_token_rows_is_refused() -> None:
+    """``num_rows`` counts token rows; a component of whole slots has none, so a value
+    there is refused (naming it), never dropped."""
+    td = TensorDef("conv", True, None, 6, frozenset())
+    c = CompDef(StateType.MAMBA, "mamba", (1, 1), (2, 2), (td,))
+    idx = Indices([1], [0], num_rows=1)
+    srcs, dst = build_all(Case((c,), 1, (1, 1), 1, 0, {"mamba": idx}, 4))
+    for run in (lambda: expected_writes([srcs[0].layout], dst.layout, {"mamba": idx}),
+                lambda: plan(srcs[0].layout, dst.layout, {"mamba": idx})):
+        with pytest.raises(PlanError, match="component 'mamba': num_rows 1 given, but "
+                                            "none of its tensors holds token rows"):
+            run()
 
 
 def test_trim_warns_and_keeps_common_prefix() -> None:
