@@ -40,7 +40,6 @@ import time
 import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from kvhandoff.errors import HandoffError
 from kvhandoff.layout import Layout
@@ -56,6 +55,7 @@ from kvhandoff.protocol import (
     TransferStatus,
 )
 from kvhandoff.session import aux
+from kvhandoff.session import timeline as tl
 from kvhandoff.session.checksum import plan_digests
 from kvhandoff.session.chunks import check_items
 from kvhandoff.session.errors import (
@@ -70,11 +70,9 @@ from kvhandoff.session.errors import (
     TransferFailed,
 )
 from kvhandoff.session.groups import GroupState, PrefillGroup
+from kvhandoff.session.host import RankHost
 from kvhandoff.session.request_side import RequestSide
 from kvhandoff.session.status import Event, Status
-
-if TYPE_CHECKING:
-    from kvhandoff.session.agent import Agent
 
 log = logging.getLogger("kvhandoff.session.receiver")
 
@@ -137,7 +135,7 @@ class _Writer:
 class Receiver(RequestSide):
     """See the module docstring."""
 
-    def __init__(self, agent: Agent, bootstrap_addr: str, request_id: RequestId, *,
+    def __init__(self, agent: RankHost, bootstrap_addr: str, request_id: RequestId, *,
                  instance: str | None = None, dp_rank: int | None = None) -> None:
         super().__init__(agent, request_id, "decode")
         self.url = bootstrap_url(bootstrap_addr)
@@ -154,7 +152,7 @@ class Receiver(RequestSide):
         self._release_deadline: float | None = None
         self._rehandshakes = 0
         self._resend: set[str] = set()  # prefill ranks to send the indices again, once handshaken
-        agent._attach_receiver(self)
+        agent.attach(self)
         self._find_group()
 
     # --- the engine's calls ------------------------------------------------------------
@@ -242,8 +240,7 @@ class Receiver(RequestSide):
     # --- bootstrapping -------------------------------------------------------------------
 
     def _find_group(self) -> None:
-        groups = self.agent._groups
-        assert groups is not None
+        groups = self.agent.groups
         dp = self._dp_rank
         if dp is None:
             size = groups.dp_size(self.url, self.instance)
@@ -254,7 +251,7 @@ class Receiver(RequestSide):
         self._use_group(dp)
 
     def _on_probe(self, group: PrefillGroup) -> None:
-        size = self.agent._groups.dp_size(self.url, self.instance) if self.agent._groups else None
+        size = self.agent.groups.dp_size(self.url, self.instance)
         if size is None:
             with self._lock:
                 self._fail(group.error or TransferFailed("prefill lookup failed"))
@@ -262,8 +259,7 @@ class Receiver(RequestSide):
         self._use_group(route_dp(self.request_id, size))
 
     def _use_group(self, dp: int) -> None:
-        groups = self.agent._groups
-        assert groups is not None
+        groups = self.agent.groups
         with self._lock:
             self._dp_rank = dp
             if self._sm.terminal:
@@ -289,14 +285,15 @@ class Receiver(RequestSide):
             return
         for r in g.ranks:
             self._writers[r.endpoint] = _Writer(r.endpoint, r.rank, r.layout)
+        self.timeline.mark(tl.ASKED)
         for r in g.ranks:
-            self.agent._post(r.endpoint, self._init)
+            self.agent.post(r.endpoint, self._init)
         self._changed = time.monotonic()
         self._sm.fire(Event.BOOTSTRAPPED)
 
-    # --- from the agent (I/O thread) ---------------------------------------------------
+    # --- from the agent and its desk (their threads; not for the engine) ----------------
 
-    def _on_status(self, endpoint: str, msg: TransferStatus) -> None:
+    def on_status(self, endpoint: str, msg: TransferStatus) -> None:
         with self._lock:
             w = self._writers.get(endpoint)
             if w is None or self._sm.terminal:
@@ -319,31 +316,31 @@ class Receiver(RequestSide):
                         f"{msg.rank} sent none with chunk {msg.chunk}"))
                     return
                 w.verifying += 1
-                self.agent._spawn(lambda: self._verify(w, msg))
+                self.agent.spawn(lambda: self._verify(w, msg))
             if self._sm.state is Status.WAITING_FOR_INPUT:
                 self._sm.fire(Event.CHUNK_DONE)
             self._maybe_succeed()
 
-    def _on_abort(self, who: str, reason: str) -> None:
+    def on_abort(self, who: str, reason: str) -> None:
         with self._lock:
             self._fail(RequestAborted(f"request {self.request_id!r} aborted by prefill {who}: "
                                       f"{reason}"))
 
-    def _on_abort_ack(self, endpoint: str) -> None:
+    def on_abort_ack(self, endpoint: str) -> None:
         with self._lock:
             w = self._writers.get(endpoint)
             if w is not None:
                 w.acked = True
                 self._maybe_released()
 
-    def _on_rejected(self, endpoint: str, reason: str) -> None:
+    def on_rejected(self, endpoint: str, reason: str) -> None:
         with self._lock:
             if endpoint in self._writers:
                 self._writers[endpoint].acked = True  # it refused: it never wrote
                 self._fail(RequestRejected(f"request {self.request_id!r}: prefill {endpoint} "
                                            f"refused it: {reason}"))
 
-    def _on_unknown_peer(self, endpoint: str, reason: str) -> None:
+    def on_unknown_peer(self, endpoint: str, reason: str) -> None:
         """A prefill rank answered our indices "unknown decode peer": it lost our
         handshake (it restarted). Handshake with the group again, then send the indices
         to that rank again — transparently, at most ``_MAX_REHANDSHAKES`` times per
@@ -357,12 +354,11 @@ class Receiver(RequestSide):
             if w.chunks or self._rehandshakes >= _MAX_REHANDSHAKES:
                 again = f" (after {self._rehandshakes} new handshake(s))" \
                     if self._rehandshakes else ""
-                self._on_rejected(endpoint, reason + again)
+                self.on_rejected(endpoint, reason + again)
                 return
             self._rehandshakes += 1
             self._resend.add(endpoint)
-            assert self.agent._groups is not None
-            group = self.agent._groups.get(group.key)  # the agent dropped the stale one
+            group = self.agent.groups.get(group.key)  # the agent dropped the stale one
             self._group = group
             log.info("request %r: prefill %s forgot our handshake; handshaking again",
                      self.request_id, endpoint)
@@ -387,28 +383,28 @@ class Receiver(RequestSide):
             for ep in sorted(resend):
                 w = self._writers[ep]
                 w.rank, w.layout = ranks[ep].rank, ranks[ep].layout
-                self.agent._post(ep, self._init)
+                self.agent.post(ep, self._init)
             self._changed = time.monotonic()
 
-    def _on_peer_lost(self, endpoint: str, reason: str) -> None:
+    def on_peer_lost(self, endpoint: str, reason: str) -> None:
         with self._lock:
             w = self._writers.get(endpoint)
             if w is not None and not self._sm.terminal:
                 self._fail(PeerLost(f"request {self.request_id!r}: prefill {w.rank}: {reason}"))
 
-    def _on_agent_closed(self) -> None:
+    def on_agent_closed(self) -> None:
         with self._lock:
             self._fail(AgentClosed(f"request {self.request_id!r}: the decode agent closed"))
             if not self._released.is_set():
                 self._release("the agent closed; no write can be waited for any more")
 
-    def _peer_endpoints(self) -> set[str]:
+    def peer_endpoints(self) -> set[str]:
         with self._lock:
             if self._released.is_set():
                 return set()
             return {e for e, w in self._writers.items() if not (w.done or w.acked)}
 
-    def _on_tick(self, now: float) -> None:
+    def on_tick(self, now: float) -> None:
         with self._lock:
             cfg = self.agent.config
             state = self._sm.state
@@ -485,6 +481,7 @@ class Receiver(RequestSide):
         row = self._aux_view()
         state, detail = (aux.AuxState.OK, "") if row is None else aux.check(row, self.request_id)
         if state is aux.AuxState.OK:
+            self.timeline.mark(tl.LANDED)
             self._sm.fire(Event.ALL_DONE)
             self._release("the request succeeded")
         elif state is not aux.AuxState.EMPTY:
@@ -503,8 +500,8 @@ class Receiver(RequestSide):
             return
         for ep, w in self._writers.items():
             if not (w.done or w.acked):
-                self.agent._post(ep, Abort(request_id=self.request_id, rank=self.agent.rank_id,
-                                           reason=str(error)[:2000]))
+                self.agent.post(ep, Abort(request_id=self.request_id, rank=self.agent.rank_id,
+                                          reason=str(error)[:2000]))
         self._release_deadline = time.monotonic() + self.agent.config.release_timeout
         self._maybe_released()
 
@@ -520,4 +517,4 @@ class Receiver(RequestSide):
             return
         self._release_reason = reason
         self._released.set()
-        self.agent._finished(self)
+        self.agent.finished(self)

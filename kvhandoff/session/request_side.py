@@ -1,27 +1,27 @@
 """What a Sender and a Receiver share: one request's identity, status and failure.
 
 Each side of a request owns a :class:`~kvhandoff.session.status.StateMachine` and, once
-failed, the error that failed it; the engine reads both the same way on either side."""
+failed, the error that failed it; the engine reads both the same way on either side.
+Its rank's agent is a :class:`~kvhandoff.session.host.RankHost`: the request never
+imports the agent."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
 
 from kvhandoff.protocol import RequestId
 from kvhandoff.session.errors import RequestAborted, SessionError
+from kvhandoff.session.host import RankHost
 from kvhandoff.session.status import Event, StateMachine, Status
-
-if TYPE_CHECKING:
-    from kvhandoff.session.agent import Agent
+from kvhandoff.session.timeline import Timeline
 
 
 class RequestSide:
     """One rank's view of one request (base of :class:`Sender` and :class:`Receiver`)."""
 
-    def __init__(self, agent: Agent, request_id: RequestId, role: str) -> None:
+    def __init__(self, agent: RankHost, request_id: RequestId, role: str) -> None:
         if agent.role.value != role:
             kind = "Sender" if role == "prefill" else "Receiver"
             raise ValueError(f"a {kind} needs a {role} agent, got a {agent.role.value} agent")
@@ -32,6 +32,7 @@ class RequestSide:
         self._lock = threading.RLock()
         self._sm = StateMachine(name=f"{role} request {request_id!r}")
         self._error: SessionError | None = None
+        self.timeline = Timeline()  # when this request reached each event on this rank
         self._created = time.monotonic()
 
     def __repr__(self) -> str:

@@ -45,10 +45,8 @@ import logging
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from kvhandoff.errors import HandoffError, LayoutMismatch
-from kvhandoff.layout import Layout, RowKind
 from kvhandoff.plan import Indices, Plan, plan
 from kvhandoff.plan.request import IndexArray, as_indices
 from kvhandoff.protocol import (
@@ -60,8 +58,10 @@ from kvhandoff.protocol import (
     TransferStatus,
 )
 from kvhandoff.session import aux
+from kvhandoff.session import timeline as tl
 from kvhandoff.session.checksum import plan_digests
 from kvhandoff.session.chunks import KvCursor, check_items, source_indices
+from kvhandoff.session.components import repageable
 from kvhandoff.session.errors import (
     AgentClosed,
     PeerLost,
@@ -70,15 +70,13 @@ from kvhandoff.session.errors import (
     SessionError,
     TransferFailed,
 )
+from kvhandoff.session.host import RankHost
 from kvhandoff.session.peers import DecodePeer
 from kvhandoff.session.ranks import decode_candidates
 from kvhandoff.session.request_side import RequestSide
 from kvhandoff.session.status import Event, Status
 from kvhandoff.transport.base import Handle
 from kvhandoff.transport.errors import TransportError
-
-if TYPE_CHECKING:
-    from kvhandoff.session.agent import Agent
 
 log = logging.getLogger("kvhandoff.session.sender")
 
@@ -119,7 +117,7 @@ class _Settle:
 class Sender(RequestSide):
     """See the module docstring."""
 
-    def __init__(self, agent: Agent, request_id: RequestId) -> None:
+    def __init__(self, agent: RankHost, request_id: RequestId) -> None:
         super().__init__(agent, request_id, "prefill")
         self._num_pages: int | None = None
         self._num_tokens: int | None = None
@@ -132,7 +130,7 @@ class Sender(RequestSide):
         self._chunks = 0
         self._last_given = False
         self._settle = _Settle()
-        inits, failed = agent._attach_sender(self)
+        inits, failed = agent.attach(self)
         if failed is not None:
             self._fail(failed)
         for peer, msg in inits:
@@ -141,7 +139,7 @@ class Sender(RequestSide):
                                     f"indices, then was dropped before this Sender existed: "
                                     f"{peer}"))
             else:
-                self._on_init(peer, msg)
+                self.on_init(peer, msg)
 
     # --- the engine's calls (status, poll, wait, error, reason: RequestSide) -----------
 
@@ -249,9 +247,10 @@ class Sender(RequestSide):
         if row is not None:
             aux.stamp(row, self.request_id)
 
-    # --- from the agent (I/O thread) ---------------------------------------------------
+    # --- from the agent and its desk (their threads; not for the engine) ----------------
 
-    def _on_init(self, peer: DecodePeer, msg: TransferInit) -> None:
+    def on_init(self, peer: DecodePeer, msg: TransferInit) -> None:
+        self.timeline.mark(tl.INDICES)
         with self._lock:
             if self._sm.terminal:
                 self._answer_late(peer, msg)
@@ -287,7 +286,7 @@ class Sender(RequestSide):
             self._awaiting.discard(peer.endpoint)
             self._maybe_bootstrapped()
 
-    def _on_init_refused(self, reason: str) -> None:
+    def on_init_refused(self, reason: str) -> None:
         """A decode rank's indices came, but the rank cannot be written (unreachable)."""
         with self._lock:
             self._fail(PeerLost(reason))
@@ -296,26 +295,26 @@ class Sender(RequestSide):
         """Indices for a request that already failed here: say so, and that nothing
         is in flight to that rank (it was never written to)."""
         reason = self._sm.reason or "failed"
-        self.agent._post(peer.endpoint, TransferStatus(
+        self.agent.post(peer.endpoint, TransferStatus(
             request_id=self.request_id, rank=self.agent.rank_id, chunk=0, last=True,
             outcome=Outcome.FAILED, reason=reason))
-        self.agent._post(peer.endpoint, AbortAck(request_id=self.request_id,
-                                                 rank=self.agent.rank_id))
+        self.agent.post(peer.endpoint, AbortAck(request_id=self.request_id,
+                                                rank=self.agent.rank_id))
 
-    def _on_abort(self, endpoint: str | None, who: str, reason: str) -> None:
+    def on_abort(self, endpoint: str | None, who: str, reason: str) -> None:
         with self._lock:
             was_settled = self._settle.settled
             self._fail(RequestAborted(f"request {self.request_id!r} aborted by decode {who}: "
                                       f"{reason}"))
             if endpoint is not None and endpoint not in self._targets:
                 # never wrote to it: nothing is in flight there
-                self.agent._post(endpoint, AbortAck(request_id=self.request_id,
-                                                    rank=self.agent.rank_id))
+                self.agent.post(endpoint, AbortAck(request_id=self.request_id,
+                                                   rank=self.agent.rank_id))
             elif endpoint is not None and was_settled and not self._settle.poisoned:
-                self.agent._post(endpoint, AbortAck(request_id=self.request_id,
-                                                    rank=self.agent.rank_id))
+                self.agent.post(endpoint, AbortAck(request_id=self.request_id,
+                                                   rank=self.agent.rank_id))
 
-    def _on_tick(self, now: float) -> None:
+    def on_tick(self, now: float) -> None:
         with self._lock:
             if self._sm.state is Status.BOOTSTRAPPING and \
                     now - self._created > self.agent.config.indices_timeout:
@@ -326,7 +325,7 @@ class Sender(RequestSide):
                     f"(indices_timeout) for decode's indices; got {got} of {want} TransferInits"
                     + ("" if self._num_pages is not None else "; init() was never called")))
 
-    def _on_init_deferred(self, endpoint: str) -> None:
+    def on_init_deferred(self, endpoint: str) -> None:
         """Indices came from ``endpoint``, unknown here (dropped, or restarted): it was
         asked to handshake again and resend them. Until it does, it is watched by
         heartbeat, so a decode that died meanwhile fails the request, not a timeout."""
@@ -334,7 +333,7 @@ class Sender(RequestSide):
             if not self._sm.terminal and endpoint not in self._targets:
                 self._awaiting.add(endpoint)
 
-    def _on_peer_lost(self, endpoint: str, reason: str) -> None:
+    def on_peer_lost(self, endpoint: str, reason: str) -> None:
         with self._lock:
             if self._sm.terminal:
                 return
@@ -346,16 +345,16 @@ class Sender(RequestSide):
                 self._fail(PeerLost(f"request {self.request_id!r}: decode {endpoint}, asked "
                                     f"to handshake again and resend its indices: {reason}"))
 
-    def _on_agent_closed(self) -> None:
+    def on_agent_closed(self) -> None:
         with self._lock:
             self._fail(AgentClosed(f"request {self.request_id!r}: the prefill agent closed"))
 
-    def _unsafe_endpoints(self) -> frozenset[str]:
+    def unsafe_endpoints(self) -> frozenset[str]:
         """Decode endpoints a cancelled write of ours may still reach."""
         with self._lock:
             return frozenset(self._targets) if self._settle.poisoned else frozenset()
 
-    def _peer_endpoints(self) -> set[str]:
+    def peer_endpoints(self) -> set[str]:
         with self._lock:
             if self._settle.settled:
                 return set()
@@ -402,7 +401,7 @@ class Sender(RequestSide):
             component=name, dst_items=dst.array(), dst_first_row=dst.first_row,
             src_page=me.page_size, dst_page=peer.page_size, prefix_len=t.init.decode_prefix_len,
             num_pages=self._num_pages, num_tokens=self._num_tokens,
-            repageable=self.agent.kv_repageable and _repageable(peer, name))
+            repageable=self.agent.kv_repageable and repageable(peer, name))
         return t.cursor.problem()
 
     def _request(self, t: _Target, chunk: _Chunk) -> dict[str, Indices | None]:
@@ -465,8 +464,9 @@ class Sender(RequestSide):
                 return
 
     def _write(self, t: _Target, p: Plan, status: TransferStatus) -> bool:
-        notice = self.agent._notice(t.peer, status)  # the status rides in band, if it can
+        notice = self.agent.notice(t.peer, status)  # the status rides in band, if it can
         try:
+            self.timeline.mark(tl.WRITE)
             handle = self.agent.transport.submit(t.peer.transport_peer, p, notice=notice)
         except (TransportError, HandoffError, TypeError, ValueError) as e:
             self._fail(TransferFailed(f"request {self.request_id!r} chunk {status.chunk} to "
@@ -474,8 +474,8 @@ class Sender(RequestSide):
             return False
         t.inflight += 1
         self._settle.inflight += 1
-        self.agent._track(handle, functools.partial(self._on_written, t, status,
-                                                    notice is not None))
+        self.agent.track(handle, functools.partial(self._on_written, t, status,
+                                                   notice is not None))
         return True
 
     # --- completions (completion thread) ---------------------------------------------------
@@ -502,7 +502,7 @@ class Sender(RequestSide):
         self._settle.poisoned |= timed_out
         if err is not None:
             kind = PeerLost if isinstance(err, PeerLost) else TransferFailed
-            self.agent._write_failed(t.peer)
+            self.agent.write_failed(t.peer)
             self._fail(kind(f"request {self.request_id!r} chunk {status.chunk} to decode "
                             f"{t.peer.rank} ({t.peer.endpoint}) failed: {err}"))
         else:
@@ -521,16 +521,17 @@ class Sender(RequestSide):
             t.last_done = True
             t.held_last = None if in_band else status
         elif not in_band:
-            self.agent._post(t.peer.endpoint, status)
+            self.agent.post(t.peer.endpoint, status)
         if self._sm.state is Status.WAITING_FOR_INPUT:
             self._sm.fire(Event.CHUNK_DONE)
         if t.last_done and t.done == t.submitted and not t.finished:
             t.finished = True
             if t.held_last is not None:
-                self.agent._post(t.peer.endpoint, t.held_last)
+                self.agent.post(t.peer.endpoint, t.held_last)
                 t.held_last = None
         if self._last_given and not self._queued and all(
                 x.finished for x in self._targets.values()):
+            self.timeline.mark(tl.WRITTEN)
             self._sm.fire(Event.ALL_DONE)
             self._maybe_settled()
 
@@ -543,7 +544,7 @@ class Sender(RequestSide):
         for t in self._targets.values():
             if not t.finished:
                 t.finished = True
-                self.agent._post(t.peer.endpoint, TransferStatus(
+                self.agent.post(t.peer.endpoint, TransferStatus(
                     request_id=self.request_id, rank=self.agent.rank_id,
                     chunk=max(t.submitted - 1, 0), last=True, outcome=Outcome.FAILED,
                     reason=str(error)))
@@ -554,16 +555,10 @@ class Sender(RequestSide):
         if s.settled or not self._sm.terminal or s.inflight:
             return
         s.settled = True
+        self.timeline.mark(tl.SETTLED)
         if self._sm.state is Status.FAILED and not s.poisoned:
             for t in self._targets.values():
-                self.agent._post(t.peer.endpoint, AbortAck(request_id=self.request_id,
-                                                           rank=self.agent.rank_id))
+                self.agent.post(t.peer.endpoint, AbortAck(request_id=self.request_id,
+                                                          rank=self.agent.rank_id))
         s.event.set()
-        self.agent._finished(self)
-
-
-def _repageable(layout: Layout, name: str) -> bool:
-    """Whether every tensor of component ``name`` holds one token row per page token, so
-    its pages can be re-paged by token rows when the two sides' page sizes differ."""
-    return all(t.row_kind is RowKind.TOKEN and t.rows == layout.page_size
-               for t in layout.component(name).tensors if not t.elided)
+        self.agent.finished(self)

@@ -1,0 +1,68 @@
+"""A prefill rank's registration with the bootstrap server, taking over a dead rank's slot.
+
+:func:`register_rank` registers with bounded retries and backoff. When the server
+refuses because the slot is held by a record that differs only in its control endpoint
+(the same rank, restarted), that endpoint is probed by heartbeat: a silent one is a
+crashed process, whose record is removed before a second try; one that answers is a
+live rank configured as this one, and registration fails, saying so. Blocking; the
+agent calls it once, while starting.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from kvhandoff.session.bootstrap_client import (
+    BootstrapError,
+    RankRecord,
+    RegistrationConflict,
+    deregister,
+    register,
+)
+from kvhandoff.session.bootstrap_client import RankId as BootstrapRankId
+from kvhandoff.session.config import SessionConfig
+from kvhandoff.session.errors import BootstrapFailed
+
+log = logging.getLogger("kvhandoff.session.agent")  # the agent's voice: one logger per agent
+
+Probe = Callable[[str, float], bool]  # does this control endpoint answer within the timeout?
+
+
+def register_rank(url: str, rec: RankRecord, *, config: SessionConfig, probe: Probe,
+                  what: str) -> None:
+    """Register ``rec`` (``what``: the rank, for messages) at the bootstrap server
+    ``url``; raises :class:`BootstrapFailed` naming why it cannot."""
+    for attempt in range(2):  # a second try only after removing a dead rank's record
+        try:
+            register(url, rec, retries=config.register_retries, backoff=0.2,
+                     max_backoff=4.0, timeout=min(5.0, config.bootstrap_timeout))
+            return
+        except RegistrationConflict as e:
+            stale = _stale_endpoint(e)
+            if attempt or stale is None:
+                raise BootstrapFailed(f"{what} could not register: {e}") from e
+            if probe(stale, min(2.0, config.heartbeat_timeout)):
+                raise BootstrapFailed(
+                    f"{what} could not register: the slot is held by a live rank at "
+                    f"{stale} (two processes configured as the same rank?)") from e
+            log.warning("%s: replacing the registration of a dead rank at %s", what, stale)
+            try:
+                deregister(url, BootstrapRankId(instance=rec.instance, dp_rank=rec.dp_rank,
+                                                tp_rank=rec.tp_rank, pp_rank=rec.pp_rank,
+                                                control_endpoint=stale), retries=1)
+            except BootstrapError as e2:
+                raise BootstrapFailed(f"{what} could not remove the dead rank's "
+                                      f"registration at {stale}: {e2}") from e2
+        except BootstrapError as e:
+            raise BootstrapFailed(f"{what} could not register: {e}") from e
+
+
+def _stale_endpoint(e: RegistrationConflict) -> str | None:
+    """The registered control endpoint, when it is the only thing the refused record
+    disagrees on: the slot's previous holder (maybe a crashed process)."""
+    fields = {c.field for c in e.conflicts}
+    if fields != {"control_endpoint"}:
+        return None
+    old = e.conflicts[0].existing
+    return old if isinstance(old, str) else None

@@ -1,0 +1,84 @@
+"""When one request reached each point of its handoff on one rank.
+
+A :class:`~kvhandoff.session.sender.Sender` or :class:`~kvhandoff.session.receiver.Receiver`
+stamps named events as they happen, on whichever thread sees them; the first stamp of an
+event wins, so a retried or repeated step does not move it. Readers take the seconds
+between two events (:meth:`Timeline.span`), which is how a host measures a phase
+exactly instead of from when it happened to poll::
+
+    prefill   opened ─ indices ─ write ─────── written ─ settled
+    decode    opened ─ asked ───────────────── landed
+
+* ``indices``: decode's indices reached prefill (the first of its ranks' inits);
+* ``write`` … ``written``: prefill's first transport write submitted … its last one
+  acknowledged by the transport (the bytes are in decode's memory);
+* ``asked``: decode posted its indices (the first rank's init);
+* ``landed``: decode verified the last status and the arrival guard (SUCCESS).
+
+Pure bookkeeping: no locks (a dict's ``setdefault`` is atomic), no I/O.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+
+OPENED = "opened"
+INDICES = "indices"
+WRITE = "write"
+WRITTEN = "written"
+SETTLED = "settled"
+ASKED = "asked"
+LANDED = "landed"
+
+
+class Timeline:
+    """Named events, each with the monotonic time it first happened."""
+
+    __slots__ = ("_at", "_clock")
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._at: dict[str, float] = {OPENED: clock()}
+
+    def mark(self, event: str) -> None:
+        """Stamp ``event`` now, unless it already happened."""
+        self._at.setdefault(event, self._clock())
+
+    def at(self, event: str) -> float | None:
+        """When ``event`` happened (monotonic seconds), or None."""
+        return self._at.get(event)
+
+    def span(self, first: str, last: str) -> float | None:
+        """Seconds from ``first`` to ``last``; None unless both happened."""
+        a, b = self._at.get(first), self._at.get(last)
+        return None if a is None or b is None else b - a
+
+    def relative(self) -> dict[str, float]:
+        """Every event, in seconds since the request opened, in the order they happened."""
+        t0 = self._at[OPENED]
+        return {k: v - t0 for k, v in sorted(self._at.items(), key=lambda kv: kv[1])}
+
+
+PHASES: Mapping[str, tuple[tuple[str, str, str], ...]] = {
+    "prefill": (("wait_indices", OPENED, INDICES), ("plan", INDICES, WRITE),
+                ("transfer", WRITE, WRITTEN), ("settle", WRITTEN, SETTLED)),
+    "decode": (("bootstrap", OPENED, ASKED), ("transfer", ASKED, LANDED)),
+}
+"""Per role, the phases of a handoff as (phase, from event, to event): prefill waits for
+decode's indices, plans, writes (``transfer``: the transport's writes, submitted until
+acknowledged) and settles; decode looks prefill up and handshakes (``bootstrap``), then
+waits for the bytes and verifies them (``transfer``: its indices out until SUCCESS)."""
+
+END: Mapping[str, str] = {"prefill": SETTLED, "decode": LANDED}
+"""The event that ends a successful handoff, per role."""
+
+
+def phase_seconds(role: str, timeline: Timeline) -> dict[str, float]:
+    """Each of ``role``'s :data:`PHASES` the request went through, in seconds."""
+    out = {}
+    for phase, a, b in PHASES[role]:
+        s = timeline.span(a, b)
+        if s is not None:
+            out[phase] = s
+    return out

@@ -1,0 +1,37 @@
+"""The per-request timeline: first stamp wins, spans need both ends."""
+
+from __future__ import annotations
+
+import itertools
+
+from kvhandoff.session import timeline as tl
+
+
+def _clock() -> tl.Timeline:
+    ticks = itertools.count(10.0, 0.5)  # 10.0 (opened), 10.5, 11.0, ...
+    return tl.Timeline(clock=lambda: next(ticks))
+
+
+def test_the_first_stamp_of_an_event_wins() -> None:
+    t = _clock()
+    t.mark(tl.WRITE)  # 10.5
+    t.mark(tl.WRITE)  # a second write does not move it
+    t.mark(tl.WRITTEN)  # 11.5 (the clock advanced for the ignored stamp too)
+    assert t.at(tl.WRITE) == 10.5
+    assert t.span(tl.WRITE, tl.WRITTEN) == 1.0
+    assert t.span(tl.OPENED, tl.WRITTEN) == 1.5
+
+
+def test_a_span_is_none_until_both_events_happened() -> None:
+    t = _clock()
+    assert t.span(tl.OPENED, tl.LANDED) is None
+    assert t.span(tl.ASKED, tl.OPENED) is None
+    assert t.at(tl.ASKED) is None
+
+
+def test_relative_lists_events_in_the_order_they_happened() -> None:
+    t = _clock()
+    t.mark(tl.ASKED)
+    t.mark(tl.LANDED)
+    assert list(t.relative().items()) == [(tl.OPENED, 0.0), (tl.ASKED, 0.5),
+                                          (tl.LANDED, 1.0)]
