@@ -5,8 +5,11 @@ For each connector in turn, a prefill and a decode vLLM server (the demo's tiny 
 ``kvhandoff demo-vllm``), the same prompts for both:
 
 * **time to first token** through the pair (streaming, the first SSE chunk with a token)
-  and **transfer time** per request (kvhandoff: decode's Receiver opened → SUCCESS;
-  NIXL: decode's ``vllm:nixl_xfer_time_seconds``), median over ``--repeat`` trials, each
+  and **transfer time** per request, the same span for both — the data movement:
+  kvhandoff's writes on prefill, submitted to the transport until it acknowledged them;
+  NIXL's READs, decode's ``vllm:nixl_xfer_time_seconds`` — plus kvhandoff's **load
+  time** (decode's indices out until the bytes and guard are verified: a control hop, the
+  planning, the writes and the status back), median over ``--repeat`` trials, each
   trial with its own ``cache_salt`` so no prefix cache is reused;
 * **requests/s** through the pair: ``--requests`` prompts of ``--rate-tokens`` tokens,
   ``--concurrency`` at a time.
@@ -64,6 +67,7 @@ def run_connector(connector: str, model: Path, opts: demo.Options, args: argpars
             print(f"  {connector} {len(prompt):4d} tokens: {demo._summary(h)}", flush=True)
             rows.append({"prompt_tokens": len(prompt), "ok": h.ok, "error": h.error,
                          "ttft_ms": h.ttfts_ms, "transfer_ms": h.transfers_ms,
+                         "load_ms": h.loads_ms,
                          "bytes": sum(h.bytes_by_group.values())})
         rate = _rate(pair, prompts[-1], args.requests, args.concurrency, opts.max_tokens)
         print(f"  {connector} rate: {rate['requests_per_s']:.2f} requests/s", flush=True)
@@ -84,6 +88,7 @@ def compare(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
             ma, mb = _median(a[key]), _median(b[key])
             row[key] = {"kvhandoff": ma, "nixl": mb,
                         "ratio": ma / mb if ma is not None and mb else None}
+        row["kvhandoff_load_ms"] = _median(a["load_ms"])
         per_prompt.append(row)
     ttft = [r["ttft_ms"]["ratio"] for r in per_prompt if r["ttft_ms"]["ratio"] is not None]
     big = [r["transfer_ms"]["ratio"] for r in per_prompt
@@ -161,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         t, x = r["ttft_ms"], r["transfer_ms"]
         print(f"  {r['prompt_tokens']:4d} tokens: TTFT {t['kvhandoff']:.1f} vs {t['nixl']:.1f} ms"
               f" ({t['ratio']:.2f}x); transfer {x['kvhandoff'] or 0:.2f} vs "
-              f"{x['nixl'] or 0:.2f} ms ({x['ratio'] or 0:.2f}x)")
+              f"{x['nixl'] or 0:.2f} ms ({x['ratio'] or 0:.2f}x); kvhandoff load "
+              f"{r['kvhandoff_load_ms'] or 0:.2f} ms")
     for g in cmp["goals"]:
         print(f"  {g['what']}: {g['ratio'] or 0:.2f}x [{'met' if g['met'] else 'NOT met'}]")
     args.json.parent.mkdir(parents=True, exist_ok=True)

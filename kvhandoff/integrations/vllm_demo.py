@@ -139,13 +139,15 @@ class Handoff:
     got: Completion = field(default_factory=lambda: Completion([], []))
     local: Completion = field(default_factory=lambda: Completion([], []))
     external_tokens: float = 0.0  # growth of decode's external_kv_transfer prompt tokens
-    transfer_ms: float | None = None
+    transfer_ms: float | None = None  # kvhandoff: prefill's writes; NIXL: its READs
+    load_ms: float | None = None  # kvhandoff: decode's indices out → bytes and guard verified
     bytes_by_group: dict[str, int] = field(default_factory=dict)
     bytes_equal: bool | None = None  # kvhandoff: prefill's and decode's sha256 agree
     prefill_ms: float | None = None  # the proxy's prefill hop (X-Kvhandoff-Prefill-Ms)
     ttfts_ms: list[float] = field(default_factory=list)  # every trial's
     prefills_ms: list[float] = field(default_factory=list)
     transfers_ms: list[float] = field(default_factory=list)
+    loads_ms: list[float] = field(default_factory=list)
     error: str = ""
 
     @property
@@ -447,22 +449,41 @@ def dump_rows(path: Path, offset: int) -> list[dict[str, Any]]:
     return [json.loads(line) for line in data.splitlines() if line.strip()]
 
 
-def kvhandoff_transfer(pair: Pair, before: Snapshot, result: Handoff) -> None:
-    """Bytes per group, transfer ms and byte equality of the one handoff since ``before``."""
+def kvhandoff_rows(pair: Pair, before: Snapshot) -> list[dict[str, Any]]:
+    """The dump lines of the one handoff since ``before``, once both sides' timing lines
+    are there (prefill's comes when its step sees the request settled; at most
+    METRICS_WAIT_S)."""
     assert pair.dump is not None
-    rows = dump_rows(pair.dump, before.dump_offset) if pair.dump.exists() else []
-    decoded = [r for r in rows if r["side"] == "decode"]
+    deadline = time.monotonic() + METRICS_WAIT_S
+    while True:
+        rows = dump_rows(pair.dump, before.dump_offset) if pair.dump.exists() else []
+        timed = {r["side"] for r in rows if "timing" in r}
+        if timed >= {"prefill", "decode"} or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.1)
+
+
+def kvhandoff_transfer(pair: Pair, before: Snapshot, result: Handoff) -> None:
+    """Bytes per group, byte equality and times of the one handoff since ``before``:
+    transfer ms are prefill's writes (submitted → acknowledged by the transport, the span
+    NIXL's xferDuration covers for its READs), load ms decode's indices out → verified."""
+    rows = kvhandoff_rows(pair, before)
+    decoded = [r for r in rows if r["side"] == "decode" and "component" in r]
     requests = {r["request"] for r in decoded}
     if len(requests) != 1:
         result.error = f"expected one handoff in the dump, found {len(requests)}"
         return
     rid = requests.pop()
     sides: dict[str, dict[str, str]] = {"prefill": {}, "decode": {}}
+    timing: dict[str, dict[str, float | None]] = {"prefill": {}, "decode": {}}
     for r in rows:
-        if r["request"] == rid:
+        if r["request"] == rid and "component" in r:
             sides[r["side"]][r["component"]] = r["sha256"]
+        elif r["request"] == rid:
+            timing[r["side"]] = r["timing"]
     result.bytes_by_group = {r["component"]: int(r["bytes"]) for r in decoded}
-    result.transfer_ms = max(float(r["ms"]) for r in decoded)
+    result.transfer_ms = timing["prefill"].get("transfer")
+    result.load_ms = timing["decode"].get("transfer")
     result.bytes_equal = bool(sides["prefill"]) and sides["prefill"] == sides["decode"]
 
 
@@ -503,6 +524,8 @@ def merge(trials: list[Handoff], local: Completion) -> Handoff:
                   external_tokens=min(t.external_tokens for t in trials),
                   ttfts_ms=[t.ttft_ms for t in trials])
     out.transfers_ms = [t.transfer_ms for t in trials if t.transfer_ms is not None]
+    out.loads_ms = [t.load_ms for t in trials if t.load_ms is not None]
+    out.load_ms = statistics.median(out.loads_ms) if out.loads_ms else None
     out.prefills_ms = [t.prefill_ms for t in trials if t.prefill_ms is not None]
     out.prefill_ms = statistics.median(out.prefills_ms) if out.prefills_ms else None
     out.transfer_ms = statistics.median(out.transfers_ms) if out.transfers_ms else None
@@ -600,10 +623,12 @@ def run_connector(connector: str, step: int, model: Path, opts: Options,
 def _summary(r: Handoff) -> str:
     if r.error:
         return f"✗ {r.error}"
-    ms = ", ".join(f"{t:.1f}" for t in r.transfers_ms) or "-"
+    ms = ", ".join(f"{t:.2f}" for t in r.transfers_ms) or "-"
+    load = f" (decode's load {', '.join(f'{t:.1f}' for t in r.loads_ms)})" if r.loads_ms else ""
     ttft = ", ".join(f"{t:.0f}" for t in r.ttfts_ms)
     hop = ", ".join(f"{t:.0f}" for t in r.prefills_ms) or "-"
-    return (f"{_verdict(r)} vs local; transfer ms {ms}; TTFT ms {ttft} (prefill hop {hop}); "
+    return (f"{_verdict(r)} vs local; transfer ms {ms}{load}; TTFT ms {ttft} "
+            f"(prefill hop {hop}); "
             f"{human_size(sum(r.bytes_by_group.values()))}; "
             f"{r.external_tokens:.0f} prompt tokens loaded by decode")
 
@@ -640,18 +665,24 @@ def _verdict(r: Handoff) -> str:
     return r.match.mark
 
 
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
 def _cells(r: Handoff | None, per_group: bool) -> list[str]:
+    """bytes, transfer ms, (kvhandoff: load ms,) TTFT, verdict."""
+    n = 5 if per_group else 4
     if r is None:
-        return ["", "", "", ""]
+        return [""] * n
     if r.error and not r.got.tokens:
-        return ["-", "-", "-", "✗ failed"]
+        return ["-"] * (n - 1) + ["✗ failed"]
     if per_group:
         nbytes = " + ".join(f"{k.split('.')[-1]} {human_size(v)}"
                             for k, v in sorted(r.bytes_by_group.items()))
     else:
         nbytes = human_size(sum(r.bytes_by_group.values()))
-    ms = "-" if r.transfer_ms is None else f"{r.transfer_ms:.1f}"
-    return [nbytes or "-", ms, f"{r.ttft_ms:.0f}", _verdict(r)]
+    times = [_ms(r.transfer_ms), _ms(r.load_ms)] if per_group else [_ms(r.transfer_ms)]
+    return [nbytes or "-", *times, f"{r.ttft_ms:.0f}", _verdict(r)]
 
 
 def same_tokens(row: Row) -> bool | None:
@@ -662,9 +693,9 @@ def same_tokens(row: Row) -> bool | None:
     return a.got.tokens == b.got.tokens
 
 
-HEADER = ["prompt tokens", "kvhandoff bytes per group", "kvh transfer ms", "kvh TTFT ms",
-          "kvh = local", "NIXL bytes", "NIXL transfer ms", "NIXL TTFT ms", "NIXL = local",
-          "kvh = NIXL"]
+HEADER = ["prompt tokens", "kvhandoff bytes per group", "kvh transfer ms", "kvh load ms",
+          "kvh TTFT ms", "kvh = local", "NIXL bytes", "NIXL transfer ms", "NIXL TTFT ms",
+          "NIXL = local", "kvh = NIXL"]
 
 
 def render(rows: list[Row]) -> str:
@@ -801,12 +832,14 @@ LEGEND = ("✓: tokens identical to the local run (the same prompt straight to t
           "float32, rounds differently when the prompt is computed in one pass than as "
           "prefill's n-1 tokens + decode's last one). Every ✓/≈ also means decode's "
           "prompt_tokens_by_source{external_kv_transfer} grew in every trial (no "
-          "recompute), and for kvhandoff that "
-          "prefill's and decode's block digests are equal. Transfer ms are not alike: "
-          "kvhandoff's run on decode from opening the receive to its end (handshake, waiting "
-          "for prefill and the tcp transfer included); NIXL's are its agent's xferDuration "
-          "(vllm:nixl_xfer_time_seconds: the posted READs only). TTFT is the client's, "
-          "through the proxy: prefill hop, handoff and decode's first token.")
+          "recompute), and for kvhandoff that prefill's and decode's block digests are equal. "
+          "Transfer ms is the data movement, the same span for both: kvhandoff's writes on "
+          "prefill (submitted to the transport until it acknowledged them, the last byte in "
+          "decode's memory), NIXL's xferDuration for its READs "
+          "(vllm:nixl_xfer_time_seconds). kvh load ms is decode's whole wait for the state: "
+          "its indices out until prefill's bytes and the arrival guard are verified (one "
+          "control hop to prefill, the planning, the writes and the status back). TTFT is "
+          "the client's, through the proxy: prefill hop, handoff and decode's first token.")
 
 
 def report(opts: Options, rows: list[Row], seconds: float, args: argparse.Namespace) -> int:

@@ -178,7 +178,7 @@ def _digests(dump: Path, rid: str) -> dict[str, dict[str, str]]:
     out: dict[str, dict[str, str]] = {"prefill": {}, "decode": {}}
     for line in dump.read_text().splitlines():
         row = json.loads(line)
-        if row["request"] == rid:
+        if row["request"] == rid and "component" in row:  # not a timing row
             out[row["side"]][row["component"]] = row["sha256"]
     return out
 

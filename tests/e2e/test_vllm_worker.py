@@ -143,11 +143,16 @@ def test_a_handoff_moves_every_group_and_reports_it(pair: tuple[Side, Side, str]
                               block_bytes(d.worker.layout, name, dst))
     stats = d.worker.stats.take()
     assert stats["outcomes"] == [["decode", "success"]]
-    assert {ph for _, ph, _ in stats["phase_seconds"]} == {"lookup", "transfer"}
+    assert {ph for _, ph, _ in stats["phase_seconds"]} == {"bootstrap", "transfer"}
     assert dict((g, n) for _, g, n in stats["group_bytes"]) == {
         "g0.mamba": sum(t.item_bytes for t in d.worker.layout.component("g0.mamba").tensors),
         "g1.full": 2 * PAGE}
-    assert p.worker.stats.take()["outcomes"] == [["prefill", "success"]]
+    pstats = p.worker.stats.take()
+    assert pstats["outcomes"] == [["prefill", "success"]]
+    # phases from the requests' timelines: every event happened, in order (no negative span)
+    assert {ph for _, ph, _ in pstats["phase_seconds"]} == {"wait_indices", "plan",
+                                                             "transfer", "settle"}
+    assert all(s >= 0 for *_, s in pstats["phase_seconds"] + stats["phase_seconds"])
 
 
 def test_an_aborted_load_keeps_its_blocks_until_released(pair: tuple[Side, Side, str]) -> None:

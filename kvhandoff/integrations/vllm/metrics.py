@@ -84,8 +84,9 @@ class KvhandoffPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
                          documentation="Seconds per kvhandoff handoff, start to finish",
                          labelnames=[*names, "role"])
         self.phase = h(name="kvhandoff:phase_seconds", buckets=_SECONDS,
-                       documentation="Seconds per handoff phase (prefill: wait_decode, "
-                                     "transfer, settle; decode: lookup, transfer)",
+                       documentation="Seconds per handoff phase (prefill: wait_indices, "
+                                     "plan, transfer, settle; decode: bootstrap, "
+                                     "transfer)",
                        labelnames=[*names, "role", "phase"])
         self.size = h(name="kvhandoff:handoff_bytes", buckets=_BYTES,
                       documentation="Bytes per successful handoff",

@@ -29,15 +29,15 @@ import hashlib
 import json
 import logging
 import os
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
 from kvhandoff.integrations.vllm.requests import RecvReq, SendReq, StepMeta
 from kvhandoff.layout import Layout
+from kvhandoff.session import timeline as tl
 from kvhandoff.session.agent import Agent
 from kvhandoff.session.aux import AuxSpec
 from kvhandoff.session.config import SessionConfig
@@ -86,17 +86,16 @@ class AuxRows:
 
 STAT_KEYS = ("handoff_seconds", "phase_seconds", "bytes", "group_bytes", "outcomes")
 
-
 class Stats:
     """Observations since the last report, as vLLM's connector stats want them: a dict of
     lists (it pickles them from the worker to the process that exports metrics).
 
-    ``handoff_seconds``: per finished handoff ``[role, seconds]``; ``phase_seconds``:
-    ``[role, phase, seconds]`` (prefill: ``wait_decode`` until decode's indices arrived,
-    ``transfer`` until the writes completed, ``settle``; decode: ``lookup`` until its
-    indices went out, ``transfer`` until SUCCESS); ``bytes`` and ``group_bytes``: what a
-    successful handoff moved (``[role, n]``, ``[role, component, n]``); ``outcomes``:
-    ``[role, "success" or the error class]``."""
+    ``handoff_seconds``: per successful handoff ``[role, seconds]``, opened to settled
+    (prefill) or landed (decode); ``phase_seconds``: ``[role, phase, seconds]`` for the
+    phases in :data:`kvhandoff.session.timeline.PHASES`, taken from the request's
+    timeline (when each event happened, not when a step polled it); ``bytes`` and
+    ``group_bytes``: what a successful handoff moved (``[role, n]``, ``[role, component,
+    n]``); ``outcomes``: ``[role, "success" or the error class]``."""
 
     def __init__(self) -> None:
         self.data: dict[str, list[list[object]]] = {k: [] for k in STAT_KEYS}
@@ -111,38 +110,14 @@ class Stats:
     def outcome(self, role: str, what: str) -> None:
         self.data["outcomes"].append([role, what])
 
-    def phases(self, role: str, track: Track, groups: dict[str, int] | None) -> None:
-        marks = track.marks
-        self.data["handoff_seconds"].append([role, marks[-1][1] - track.started])
-        prev = track.started
-        for phase, at in marks:
-            self.data["phase_seconds"].append([role, phase, at - prev])
-            prev = at
-        if groups is not None:
-            self.data["bytes"].append([role, sum(groups.values())])
-            self.data["group_bytes"].extend([role, g, n] for g, n in groups.items())
-
-
-@dataclass(slots=True)
-class Track:
-    """When a request's handoff reached each phase (as seen by the step that polled it;
-    every Sender and Receiver starts BOOTSTRAPPING)."""
-
-    started: float = field(default_factory=time.monotonic)
-    marks: list[tuple[str, float]] = field(default_factory=list)
-    last: Status = Status.BOOTSTRAPPING
-
-    def see(self, status: Status, names: dict[Status, str]) -> None:
-        """Note ``status``; a phase ends when the status leaves it."""
-        if names.get(status) != names.get(self.last) and self.last in names:
-            self.marks.append((names[self.last], time.monotonic()))
-        self.last = status
-
-
-_PREFILL_PHASES = {Status.BOOTSTRAPPING: "wait_decode", Status.WAITING_FOR_INPUT: "transfer",
-                   Status.TRANSFERRING: "transfer"}
-_DECODE_PHASES = {Status.BOOTSTRAPPING: "lookup", Status.WAITING_FOR_INPUT: "transfer",
-                  Status.TRANSFERRING: "transfer"}
+    def phases(self, role: str, timeline: tl.Timeline, groups: dict[str, int]) -> None:
+        total = timeline.span(tl.OPENED, tl.END[role])
+        if total is not None:
+            self.data["handoff_seconds"].append([role, total])
+        for phase, s in tl.phase_seconds(role, timeline).items():
+            self.data["phase_seconds"].append([role, phase, s])
+        self.data["bytes"].append([role, sum(groups.values())])
+        self.data["group_bytes"].extend([role, g, n] for g, n in groups.items())
 
 
 @dataclass(slots=True)
@@ -150,7 +125,6 @@ class _Out:
     sender: Sender
     row: int | None
     groups: dict[str, int]  # bytes per component this request moves
-    track: Track = field(default_factory=Track)
 
 
 @dataclass(slots=True)
@@ -159,7 +133,6 @@ class _In:
     row: int | None
     lists: tuple[tuple[int, ...], ...]
     groups: dict[str, int]
-    track: Track = field(default_factory=Track)
     aborted: bool = False  # decode's vLLM request ended: report it as a finished send
 
 
@@ -280,22 +253,18 @@ class WorkerSide:
         failed: set[str] = set()
         for rid, o in list(self._out.items()):
             st = o.sender.poll()
-            o.track.see(st, _PREFILL_PHASES)
             if st not in (Status.SUCCESS, Status.FAILED) or not o.sender.settled:
                 continue
-            o.track.marks.append(("settle", time.monotonic()))
             del self._out[rid]
             if o.row is not None:
                 self.rows.give(o.row)
             sending.add(rid)
-            self._finish(rid, o.sender, st, o.track, o.groups)
+            self._finish(rid, o.sender, st, o.groups)
         for rid, e in list(self._in.items()):
             rec = e.receiver
             st = rec.poll() if rec is not None else Status.FAILED
-            e.track.see(st, _DECODE_PHASES)
             if st is Status.SUCCESS:
-                self._dump("decode", rec.request_id if rec else rid, e.lists,
-                           ms=1e3 * (time.monotonic() - e.track.started))
+                self._dump("decode", rec.request_id if rec else rid, e.lists)
             elif st is Status.FAILED and (rec is None or rec.released):
                 if not e.aborted:
                     failed.add(rid)
@@ -309,7 +278,7 @@ class WorkerSide:
                 recving.add(rid)
                 continue
             (sending if e.aborted else recving).add(rid)
-            self._finish(rid, rec, st, e.track, e.groups)
+            self._finish(rid, rec, st, e.groups)
         return sending, recving, failed
 
     def _unstage(self, rid: str, lists: tuple[tuple[int, ...], ...]) -> bool:
@@ -326,33 +295,34 @@ class WorkerSide:
             return False
         return True
 
-    def _finish(self, rid: str, side: Sender | Receiver | None, st: Status, track: Track,
+    def _finish(self, rid: str, side: Sender | Receiver | None, st: Status,
                 groups: dict[str, int]) -> None:
-        if st is Status.SUCCESS:
+        if st is Status.SUCCESS and side is not None:
             self.stats.outcome(self.role, "success")
-            self.stats.phases(self.role, track, groups)
+            self.stats.phases(self.role, side.timeline, groups)
+            self._dump_timing(side)
             return
         reason = _reason(side.error) if side is not None else "NoAuxRow"
         self.stats.outcome(self.role, reason)
         log.warning("request %s: handoff failed on %s: %s", rid, self.role,
                     side.reason if side is not None else "no free aux row")
 
-    def _dump(self, side: str, rid: object, lists: tuple[tuple[int, ...], ...],
-              ms: float | None = None) -> None:
+    def _dump(self, side: str, rid: object, lists: tuple[tuple[int, ...], ...]) -> None:
         """With ``KVHANDOFF_VLLM_DUMP=FILE``, append per component a digest of its moving
-        blocks (tests compare prefill's with decode's, byte for byte) and their bytes;
-        decode adds the handoff's milliseconds (Receiver opened → SUCCESS)."""
-        path = os.environ.get("KVHANDOFF_VLLM_DUMP")
-        if not path:
-            return
-        rows = []
-        for name, blocks in zip(self.names, lists, strict=True):
-            data = block_bytes(self.layout, name, list(blocks))
-            rows.append({"side": side, "request": str(rid), "component": name,
-                         "blocks": len(blocks), "bytes": len(data), "ms": ms,
-                         "sha256": hashlib.sha256(data.tobytes()).hexdigest()})
-        with open(path, "a") as f:
-            f.write("".join(json.dumps(r) + "\n" for r in rows))
+        blocks (tests compare prefill's with decode's, byte for byte) and their bytes."""
+        _append_dump([
+            {"side": side, "request": str(rid), "component": name, "blocks": len(blocks),
+             "bytes": len(data), "sha256": hashlib.sha256(data.tobytes()).hexdigest()}
+            for name, blocks in zip(self.names, lists, strict=True)
+            for data in (block_bytes(self.layout, name, list(blocks)),)])
+
+    def _dump_timing(self, side: Sender | Receiver) -> None:
+        """With ``KVHANDOFF_VLLM_DUMP``, a successful handoff's phases in milliseconds
+        (``handoff`` for the whole of it)."""
+        end = side.timeline.span(tl.OPENED, tl.END[self.role])
+        ms = {p: 1e3 * s for p, s in tl.phase_seconds(self.role, side.timeline).items()}
+        _append_dump([{"side": self.role, "request": str(side.request_id),
+                       "timing": {**ms, "handoff": None if end is None else 1e3 * end}}])
 
     def close(self) -> None:
         for o in self._out.values():
@@ -361,6 +331,13 @@ class WorkerSide:
             if e.receiver is not None:
                 e.receiver.abort("vLLM worker shutting down")
         self.agent.close()
+
+
+def _append_dump(rows: list[dict[str, Any]]) -> None:
+    path = os.environ.get("KVHANDOFF_VLLM_DUMP")
+    if path and rows:
+        with open(path, "a") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in rows))
 
 
 def block_bytes(layout: Layout, name: str, blocks: list[int]) -> np.ndarray[Any, Any]:
