@@ -45,6 +45,8 @@ from types import TracebackType
 from typing import Self
 
 from kvhandoff.layout import Layout
+from kvhandoff.observe.report import Reporter, process_metrics, serve_process_metrics
+from kvhandoff.observe.trace import TraceWriter
 from kvhandoff.protocol import (
     ErrorReply,
     Heartbeat,
@@ -106,6 +108,12 @@ class Agent:
         self._completions: Completions | None = None
         self._control: ControlChannel | None = None
         self._desk: PrefillDesk | DecodeDesk | None = None
+        metrics = process_metrics()
+        self._live = metrics.live.labels(self.role.value)
+        self._report = Reporter(role=self.role.value, transport=self.config.transport,
+                                rank=self.name, metrics=metrics if self.config.metrics else None,
+                                trace=TraceWriter(self.config.trace) if self.config.trace
+                                else None)
         try:
             self._start(transport, dp_rank, dp_size)
         except BaseException:
@@ -129,6 +137,8 @@ class Agent:
 
     def _start(self, transport: Transport | None, dp_rank: int, dp_size: int) -> None:
         cfg = self.config
+        if cfg.metrics_port >= 0:
+            serve_process_metrics(cfg.metrics_port, cfg.host)
         t = transport if transport is not None else create_transport(
             cfg.transport, **dict(cfg.transport_options))
         self._transport = t
@@ -257,11 +267,15 @@ class Agent:
     def attach(self, side: Request) -> Backlog:
         if self._desk is None:
             raise AgentClosed(f"agent {self.name} is closed")
-        return self._desk.attach(side)
+        backlog = self._desk.attach(side)
+        self._live.inc()
+        return backlog
 
     def finished(self, side: Request) -> None:
         if self._desk is not None:
             self._desk.finished(side)
+        self._live.dec()
+        self._report.finished(side)
 
     def post(self, endpoint: str, msg: Message) -> None:
         """Queue a control message, unless ``endpoint`` was recently declared lost."""

@@ -39,7 +39,9 @@ from typing import Self, TypeVar
 
 import msgspec
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvhandoff.observe.bootstrap import BootstrapMetrics
 from kvhandoff.session.bootstrap_client import (
     INSTANCE_FIELDS,
     PROTOCOL_VERSION,
@@ -249,6 +251,7 @@ class Registry:
 # HTTP shell
 
 REGISTRY = web.AppKey("registry", Registry)
+METRICS = web.AppKey("metrics", BootstrapMetrics)
 _STATUS_CODES = {400: "malformed", 404: "not_found", 405: "method_not_allowed",
                  413: "too_large"}
 
@@ -256,6 +259,18 @@ _STATUS_CODES = {400: "malformed", 404: "not_found", 405: "method_not_allowed",
 def _json(status: int, obj: msgspec.Struct) -> web.Response:
     return web.Response(status=status, body=msgspec.json.encode(obj),
                         content_type="application/json")
+
+
+@web.middleware
+async def _count(request: web.Request,
+                 handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                 ) -> web.StreamResponse:
+    """Count every answer by route pattern and status (outermost: after _errors)."""
+    response = await handler(request)
+    info = request.match_info.route.resource
+    request.app[METRICS].answered(info.canonical if info is not None else None,
+                                  response.status)
+    return response
 
 
 @web.middleware
@@ -333,16 +348,23 @@ async def _health(request: web.Request) -> web.Response:
     return _json(200, request.app[REGISTRY].health())
 
 
+async def _metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[METRICS].registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
 def make_app(registry: Registry | None = None) -> web.Application:
     """The aiohttp application around ``registry`` (a fresh one by default)."""
     registry = registry or Registry()
     app = web.Application(client_max_size=registry.limits.max_body_bytes,
-                          middlewares=[_errors])
+                          middlewares=[_count, _errors])
     app[REGISTRY] = registry
+    app[METRICS] = BootstrapMetrics(registry.health)
     app.router.add_post("/v1/register", _register)
     app.router.add_delete("/v1/register", _deregister)
     app.router.add_get("/v1/instances/{instance}", _lookup)
     app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
     return app
 
 

@@ -23,6 +23,12 @@ Timeouts, in seconds (default in brackets), and what each bounds:
   rank's AbortAck before declaring the destination pages reusable anyway (reported).
 * ``heartbeat_interval`` [1] / ``heartbeat_timeout`` [5] — peers with live requests are pinged
   every interval; one silent for the timeout is declared lost and its requests fail.
+
+Observability (:mod:`kvhandoff.observe`): ``metrics`` [on] counts every finished request in
+the process's Prometheus metrics; ``metrics_port`` (``KVHANDOFF_METRICS_PORT``)
+serves the process's Prometheus metrics over HTTP (0: any free port; -1, the default: not
+served, though they are still collected for a host to merge); ``trace``
+(``KVHANDOFF_TRACE``) appends one JSON line per finished request to that file.
 """
 
 from __future__ import annotations
@@ -78,6 +84,9 @@ class SessionConfig:
     in_band_status: bool = True  # decode: take chunk statuses in band when the transport can
     max_pending_inits: int = 4096  # prefill: TransferInits buffered before their Sender exists
     workers: int = 4  # threads for blocking jobs (lookups, handshakes, checksum checks)
+    metrics: bool = True  # count this agent's requests in the process's metrics
+    metrics_port: int = -1  # serve this process's Prometheus metrics here (0: any; -1: off)
+    trace: str = ""  # append a JSON line per finished request to this file ("": off)
 
     def __post_init__(self) -> None:
         problems = []
@@ -90,6 +99,9 @@ class SessionConfig:
                             f"heartbeat_interval ({self.heartbeat_interval})")
         if not 0 <= self.port < 65536:
             problems.append(f"port must be in 0..65535, got {self.port}")
+        if not -1 <= self.metrics_port < 65536:
+            problems.append(f"metrics_port must be in 0..65535 (or -1: off), got "
+                            f"{self.metrics_port}")
         if self.register_retries < 0 or self.max_pending_inits < 1 or self.workers < 1:
             problems.append("register_retries must be >= 0, max_pending_inits and workers >= 1")
         if not _INSTANCE.match(self.instance):

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
 from kvhandoff.layout import Layout, TensorSpec
+from kvhandoff.observe.timeline import Timeline
 from kvhandoff.protocol import Message, RankId, RequestId, TransferInit, TransferStatus
 from kvhandoff.session.completion import Callback
 from kvhandoff.session.config import SessionConfig
@@ -69,6 +70,16 @@ class Request(Protocol):
 
     @property
     def reason(self) -> str | None: ...
+
+    @property
+    def failure(self) -> str | None:
+        """The error class that failed it, or None (for reports)."""
+
+    @property
+    def timeline(self) -> Timeline: ...
+
+    @property
+    def nbytes(self) -> int: ...
 
     def on_tick(self, now: float) -> None:
         """Timers: fail what waited too long (the control I/O thread, every tick)."""

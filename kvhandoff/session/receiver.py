@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 from kvhandoff.errors import HandoffError
 from kvhandoff.layout import Layout
+from kvhandoff.observe import timeline as tl
 from kvhandoff.plan import plan
 from kvhandoff.plan.request import Indices
 from kvhandoff.protocol import (
@@ -55,7 +56,6 @@ from kvhandoff.protocol import (
     TransferStatus,
 )
 from kvhandoff.session import aux
-from kvhandoff.session import timeline as tl
 from kvhandoff.session.checksum import plan_digests
 from kvhandoff.session.chunks import check_items
 from kvhandoff.session.errors import (
@@ -309,6 +309,7 @@ class Receiver(RequestSide):
                                           f"{problem}"))
                 return
             self._changed = time.monotonic()
+            self.nbytes += msg.nbytes
             if self._init is not None and self._init.expect_checksum:
                 if msg.checksums is None or msg.indices is None:
                     self._fail(ChecksumMismatch(

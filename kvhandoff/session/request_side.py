@@ -11,11 +11,11 @@ import logging
 import threading
 import time
 
+from kvhandoff.observe.timeline import Timeline
 from kvhandoff.protocol import RequestId
 from kvhandoff.session.errors import RequestAborted, SessionError
 from kvhandoff.session.host import RankHost
 from kvhandoff.session.status import Event, StateMachine, Status
-from kvhandoff.session.timeline import Timeline
 
 
 class RequestSide:
@@ -33,6 +33,7 @@ class RequestSide:
         self._sm = StateMachine(name=f"{role} request {request_id!r}")
         self._error: SessionError | None = None
         self.timeline = Timeline()  # when this request reached each event on this rank
+        self.nbytes = 0  # bytes this rank's side has seen land (written / reported written)
         self._created = time.monotonic()
 
     def __repr__(self) -> str:
@@ -58,6 +59,11 @@ class RequestSide:
     @property
     def reason(self) -> str | None:
         return self._sm.reason
+
+    @property
+    def failure(self) -> str | None:
+        """The class name of the error that failed the request (None: it did not fail)."""
+        return None if self._error is None else type(self._error).__name__
 
     def _mark_failed(self, error: SessionError) -> bool:
         """Move to FAILED (an abort as ABORT) with ``error`` and log it in the subclass's

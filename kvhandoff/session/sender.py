@@ -47,6 +47,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvhandoff.errors import HandoffError, LayoutMismatch
+from kvhandoff.observe import timeline as tl
 from kvhandoff.plan import Indices, Plan, plan
 from kvhandoff.plan.request import IndexArray, as_indices
 from kvhandoff.protocol import (
@@ -58,7 +59,6 @@ from kvhandoff.protocol import (
     TransferStatus,
 )
 from kvhandoff.session import aux
-from kvhandoff.session import timeline as tl
 from kvhandoff.session.checksum import plan_digests
 from kvhandoff.session.chunks import KvCursor, check_items, source_indices
 from kvhandoff.session.components import repageable
@@ -517,6 +517,7 @@ class Sender(RequestSide):
             return
         t.done += 1
         t.nbytes += status.nbytes
+        self.nbytes += status.nbytes
         if status.last:
             t.last_done = True
             t.held_last = None if in_band else status

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from kvhandoff.session import timeline as tl
+from kvhandoff.observe import timeline as tl
 
 
 def _clock() -> tl.Timeline:

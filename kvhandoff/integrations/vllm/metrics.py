@@ -85,7 +85,7 @@ class KvhandoffPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
                          labelnames=[*names, "role"])
         self.phase = h(name="kvhandoff:phase_seconds", buckets=_SECONDS,
                        documentation="Seconds per handoff phase (prefill: wait_indices, "
-                                     "plan, transfer, settle; decode: bootstrap, "
+                                     "prepare, transfer, settle; decode: bootstrap, "
                                      "transfer)",
                        labelnames=[*names, "role", "phase"])
         self.size = h(name="kvhandoff:handoff_bytes", buckets=_BYTES,

@@ -37,7 +37,7 @@ import numpy as np
 
 from kvhandoff.integrations.vllm.requests import RecvReq, SendReq, StepMeta
 from kvhandoff.layout import Layout
-from kvhandoff.session import timeline as tl
+from kvhandoff.observe import timeline as tl
 from kvhandoff.session.agent import Agent
 from kvhandoff.session.aux import AuxSpec
 from kvhandoff.session.config import SessionConfig
@@ -92,7 +92,7 @@ class Stats:
 
     ``handoff_seconds``: per successful handoff ``[role, seconds]``, opened to settled
     (prefill) or landed (decode); ``phase_seconds``: ``[role, phase, seconds]`` for the
-    phases in :data:`kvhandoff.session.timeline.PHASES`, taken from the request's
+    phases in :data:`kvhandoff.observe.timeline.PHASES`, taken from the request's
     timeline (when each event happened, not when a step polled it); ``bytes`` and
     ``group_bytes``: what a successful handoff moved (``[role, n]``, ``[role, component,
     n]``); ``outcomes``: ``[role, "success" or the error class]``."""

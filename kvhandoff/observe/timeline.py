@@ -61,12 +61,13 @@ class Timeline:
 
 
 PHASES: Mapping[str, tuple[tuple[str, str, str], ...]] = {
-    "prefill": (("wait_indices", OPENED, INDICES), ("plan", INDICES, WRITE),
+    "prefill": (("wait_indices", OPENED, INDICES), ("prepare", INDICES, WRITE),
                 ("transfer", WRITE, WRITTEN), ("settle", WRITTEN, SETTLED)),
     "decode": (("bootstrap", OPENED, ASKED), ("transfer", ASKED, LANDED)),
 }
 """Per role, the phases of a handoff as (phase, from event, to event): prefill waits for
-decode's indices, plans, writes (``transfer``: the transport's writes, submitted until
+decode's indices, prepares its first write (``prepare``: the engine's ``send`` if it comes
+later, and planning), writes (``transfer``: the transport's writes, submitted until
 acknowledged) and settles; decode looks prefill up and handshakes (``bootstrap``), then
 waits for the bytes and verifies them (``transfer``: its indices out until SUCCESS)."""
 

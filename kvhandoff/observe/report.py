@@ -1,0 +1,95 @@
+"""Where an agent reports each finished request: the process's metrics, and a trace file.
+
+One :class:`HandoffMetrics` per process (:func:`process_metrics`), served over HTTP at most
+once (the first agent configured with a ``metrics_port`` starts it); every agent gets a
+:class:`Reporter` that feeds it and, when configured, a trace file.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Protocol
+
+from kvhandoff.observe.metrics import HandoffMetrics, serve
+from kvhandoff.observe.timeline import Timeline
+from kvhandoff.observe.trace import TraceWriter
+
+log = logging.getLogger("kvhandoff.observe")
+
+_lock = threading.Lock()
+_metrics: HandoffMetrics | None = None
+_served: int | None = None  # the port this process serves its metrics on
+_served_host = "127.0.0.1"
+
+
+def process_metrics() -> HandoffMetrics:
+    """This process's metrics (created on first use): merge ``.registry`` into a host's."""
+    global _metrics
+    with _lock:
+        if _metrics is None:
+            _metrics = HandoffMetrics()
+        return _metrics
+
+
+def serve_process_metrics(port: int, host: str = "127.0.0.1") -> int:
+    """Serve :func:`process_metrics` on ``port`` (0: any free one), once per process;
+    returns the port served on (a later call's port is ignored, and logged)."""
+    global _served, _served_host
+    metrics = process_metrics()
+    with _lock:
+        if _served is None:
+            _served, _served_host = serve(metrics, port, host), host
+            log.info("kvhandoff metrics on http://%s:%d/metrics", host, _served)
+        elif port not in (0, _served):
+            log.warning("kvhandoff metrics already served on port %d, not %d", _served, port)
+        return _served
+
+
+def metrics_url() -> str | None:
+    """Where this process serves its metrics (``http://host:port/metrics``), or None."""
+    with _lock:
+        if _served is None:
+            return None
+        host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1"}.get(_served_host, _served_host)
+        return f"http://{host}:{_served}/metrics"
+
+
+class Finished(Protocol):
+    """What a finished request tells its reporter (a Sender or a Receiver)."""
+
+    @property
+    def request_id(self) -> int | str: ...
+
+    @property
+    def timeline(self) -> Timeline: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    @property
+    def failure(self) -> str | None:
+        """The error class name, or None after a success."""
+
+
+class Reporter:
+    """One agent's reporting: ``role``, ``transport`` and ``rank`` label what it reports."""
+
+    def __init__(self, *, role: str, transport: str, rank: str,
+                 metrics: HandoffMetrics | None, trace: TraceWriter | None) -> None:
+        self.role, self.transport, self.rank = role, transport, rank
+        self.metrics, self.trace = metrics, trace
+
+    def finished(self, side: Finished) -> None:
+        reason = side.failure
+        if self.metrics is not None:
+            self.metrics.finished(self.role, self.transport, side.timeline,
+                                  nbytes=side.nbytes, reason=reason)
+        if self.trace is not None:
+            try:
+                self.trace.write(role=self.role, request=side.request_id, rank=self.rank,
+                                 transport=self.transport, timeline=side.timeline,
+                                 outcome="success" if reason is None else "failed",
+                                 reason=reason, nbytes={"total": side.nbytes})
+            except OSError as e:  # a full disk must not fail a handoff
+                log.warning("kvhandoff trace %s: %s", self.trace.path, e)
