@@ -13,6 +13,9 @@ Runs over loopback tcp by default (``--transport`` picks another).
   p99. Goal: handoff p50 ≤ 1 ms. Reference: one raw tcp transport write of the same plan
   (built beforehand); *session overhead* = handoff p50 − raw write p50 in the same run:
   what the session adds (planning, the status message, decode's checks and wake-up).
+* **metrics overhead** — the same tiny handoffs with the agents' Prometheus metrics on
+  and off (``SessionConfig.metrics``), in alternating blocks: the ratio of the p50s.
+  Goal: ≤ 1.02×.
 * **throughput** — 64 such requests at once, repeated: handoffs/s, next to the raw tcp
   transport's requests/s for the same 64 plans (submitted together, waited together).
 * **big** — one hybrid request of ~64 MiB (16 layers: 12 GDN with their SSM/conv state,
@@ -119,9 +122,13 @@ def _request(case: Case, src: Layout, dst: Layout, i: int) -> dict[str, Any]:
     return out
 
 
+UNMETERED = "-unmetered"  # a phase name's suffix: its agents count nothing in the metrics
+
+
 def _config(instance: str, transport: str, in_band: bool = True) -> SessionConfig:
     return SessionConfig.from_env({}, instance=instance, transport=transport,
                                   in_band_status=in_band,
+                                  metrics=not instance.endswith(UNMETERED),
                                   transfer_timeout=TIMEOUT,
                                   waiting_timeout=TIMEOUT, indices_timeout=TIMEOUT,
                                   bootstrap_timeout=30.0, heartbeat_interval=1.0,
@@ -362,6 +369,7 @@ def run(quick: bool, transport: str = "tcp", in_band: bool = True) -> dict[str, 
                               "raw_transport_write": raw_lat,
                               "session_overhead_p50_ms": hand["p50_ms"] - raw_lat["p50_ms"],
                               "bytes": _plan_bytes(tiny)}
+            out["metrics_overhead"] = _metrics_overhead(pair, tiny, n_lat // 2, skip)
             thr = pair.run("throughput", tiny, CONCURRENT, rounds)
             sess = thr["decode"][1:] or thr["decode"]
             out["throughput"] = {
@@ -383,6 +391,23 @@ def run(quick: bool, transport: str = "tcp", in_band: bool = True) -> dict[str, 
         finally:
             pair.close()
     return out
+
+
+def _metrics_overhead(pair: Pair, case: Case, n: int, skip: int, blocks: int = 4
+                      ) -> dict[str, float]:
+    """Tiny handoffs with the agents' metrics on and off, in alternating blocks (both see
+    the same interference): the p50s and their ratio."""
+    on: list[float] = []
+    off: list[float] = []
+    for b in range(2 * blocks):
+        metered = b % 2 == 0
+        lat = pair.run("latency" if metered else "latency" + UNMETERED, case, n // blocks)
+        t0s, (_, ends) = lat["prefill"], lat["decode"]
+        times = [e - t for t, e in zip(t0s, ends, strict=True)][min(skip, n // blocks // 4):]
+        (on if metered else off).extend(times)
+    p_on, p_off = _pct(on, 50), _pct(off, 50)
+    return {"metrics_on_p50_ms": p_on, "metrics_off_p50_ms": p_off,
+            "ratio": p_on / p_off if p_off else 0.0, "n_each": len(on)}
 
 
 def _plan_bytes(case: Case) -> int:
@@ -437,6 +462,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"tiny session overhead (handoff p50 - raw transport write p50, same run): "
           f"{lat['session_overhead_p50_ms']:.3f} ms; raw transport write p50 "
           f"{lat['raw_transport_write']['p50_ms']:.3f} ms")
+    mo = res["metrics_overhead"]
+    print(f"metrics on vs off (alternating blocks, same run): p50 {mo['metrics_on_p50_ms']:.3f}"
+          f" vs {mo['metrics_off_p50_ms']:.3f} ms = {mo['ratio']:.3f}x [goal <= 1.02x: "
+          f"{'met' if mo['ratio'] <= 1.02 else 'NOT met'}]")
     print(f"tiny round trip: p50 {lat['round_trip']['p50_ms']:.3f} ms, "
           f"p99 {lat['round_trip']['p99_ms']:.3f} ms")
     print(f"{thr['concurrent']} concurrent: {thr['handoffs_per_s']:.0f} handoffs/s vs raw "

@@ -86,20 +86,43 @@ class HandoffMetrics:
                  nbytes: int, reason: str | None) -> None:
         """One request ended on this rank: ``reason`` None for success, else the error
         class name."""
+        self.for_agent(role, transport).finished(timeline, nbytes=nbytes, reason=reason)
+
+    def for_agent(self, role: str, transport: str) -> AgentMetrics:
+        """The series of one (role, transport), bound once (what an agent reports into:
+        a success then costs a few observations, no label lookups)."""
+        return AgentMetrics(self, role, transport)
+
+
+class AgentMetrics:
+    """One (role, transport)'s children of :class:`HandoffMetrics`."""
+
+    def __init__(self, m: HandoffMetrics, role: str, transport: str) -> None:
+        self._m, self.role, self.transport = m, role, transport
+        self._success = m.requests.labels(role, transport, "success")
+        self._failed = m.requests.labels(role, transport, "failed")
+        self._handoff = m.handoff.labels(role, transport)
+        self._phase = {p: m.phase.labels(role, transport, p) for p, _, _ in tl.PHASES[role]}
+        self._size = m.size.labels(role, transport)
+        self._speed = m.speed.labels(transport) if role == "prefill" else None
+        self._end = tl.END[role]
+
+    def finished(self, timeline: tl.Timeline, *, nbytes: int, reason: str | None) -> None:
         if reason is not None:
-            self.requests.labels(role, transport, "failed").inc()
-            self.failures.labels(role, transport, reason).inc()
+            self._failed.inc()
+            self._m.failures.labels(self.role, self.transport, reason).inc()
             return
-        self.requests.labels(role, transport, "success").inc()
-        total = timeline.span(tl.OPENED, tl.END[role])
+        self._success.inc()
+        total = timeline.span(tl.OPENED, self._end)
         if total is not None:
-            self.handoff.labels(role, transport).observe(total)
-        phases = tl.phase_seconds(role, timeline)
+            self._handoff.observe(total)
+        phases = tl.phase_seconds(self.role, timeline)
         for phase, s in phases.items():
-            self.phase.labels(role, transport, phase).observe(s)
-        self.size.labels(role, transport).observe(nbytes)
-        if role == "prefill" and phases.get("transfer") and nbytes:
-            self.speed.labels(transport).observe(nbytes / phases["transfer"] / 1e9)
+            self._phase[phase].observe(s)
+        self._size.observe(nbytes)
+        moved = phases.get("transfer")
+        if self._speed is not None and moved and nbytes:
+            self._speed.observe(nbytes / moved / 1e9)
 
 
 def serve(metrics: HandoffMetrics, port: int, host: str = "127.0.0.1") -> int:

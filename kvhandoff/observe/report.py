@@ -11,7 +11,7 @@ import logging
 import threading
 from typing import Protocol
 
-from kvhandoff.observe.metrics import HandoffMetrics, serve
+from kvhandoff.observe.metrics import AgentMetrics, HandoffMetrics, serve
 from kvhandoff.observe.timeline import Timeline
 from kvhandoff.observe.trace import TraceWriter
 
@@ -78,13 +78,14 @@ class Reporter:
     def __init__(self, *, role: str, transport: str, rank: str,
                  metrics: HandoffMetrics | None, trace: TraceWriter | None) -> None:
         self.role, self.transport, self.rank = role, transport, rank
-        self.metrics, self.trace = metrics, trace
+        self.trace = trace
+        self.metrics: AgentMetrics | None = (
+            metrics.for_agent(role, transport) if metrics is not None else None)
 
     def finished(self, side: Finished) -> None:
         reason = side.failure
         if self.metrics is not None:
-            self.metrics.finished(self.role, self.transport, side.timeline,
-                                  nbytes=side.nbytes, reason=reason)
+            self.metrics.finished(side.timeline, nbytes=side.nbytes, reason=reason)
         if self.trace is not None:
             try:
                 self.trace.write(role=self.role, request=side.request_id, rank=self.rank,
