@@ -24,6 +24,10 @@ Fault knobs (``Scenario.faults``), read by the drivers:
 * ``decode_init_delay`` (s): decode waits this long before its first ``Receiver.init``
   (prefill's Senders stay in ``bootstrapping`` meanwhile).
 * ``prefill_skip_last``: never send the last chunk.
+* ``prefill_withhold`` (request ids): prefill sends these requests no chunk after the
+  first :data:`HOLD_ROUND` rounds, so they cannot finish: for a test whose other decode
+  deployment dies mid-transfer (``decode_exit`` on that side) while this prefill serves
+  a healthy one too, which a hold of every request would starve.
 * ``prefill_exit`` / ``decode_exit``: ``"transferring"`` — the process dies (``os._exit``)
   once a request reaches that state (for ``decode_exit`` prefill holds after
   :data:`HOLD_ROUND` rounds, so the requests cannot finish first).
@@ -264,12 +268,13 @@ class PrefillSide(_Side):
         if f.get("prefill_delay"):
             time.sleep(float(f["prefill_delay"]))
         hold = self._hold_round()
+        withheld = set(f.get("prefill_withhold") or ())
         depth = max((len(c) for _, _, c, _ in work), default=0)
         for k in range(depth):
             if k == hold:
                 self._hold(agent.name, senders)
-            for _, s, chunks, state in work:
-                if k >= len(chunks):
+            for rp, s, chunks, state in work:
+                if k >= len(chunks) or (k >= HOLD_ROUND and rp.rid in withheld):
                     continue
                 last = k == len(chunks) - 1
                 if last and f.get("prefill_skip_last"):

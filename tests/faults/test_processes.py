@@ -203,15 +203,21 @@ def test_prefill_killed_mid_transfer(workers: WorkerPair, transport: str) -> Non
 def test_a_dead_decode_peer_does_not_poison_the_others(workers: WorkerPair,
                                                         transport: str) -> None:
     """Two decode deployments share one prefill; one dies mid-transfer. The other's
-    requests all succeed, byte-exact, and prefill fails only the dead one's."""
+    requests all succeed, byte-exact, and prefill fails only the dead one's.
+
+    Prefill withholds the doomed requests' later chunks, so they cannot complete before
+    their decode dies, however slowly the machine runs it: prefill's SUCCESS promises the
+    transport acknowledged every byte in decode's memory, so a request that finished
+    before the death would rightly say success."""
     doomed, healthy = requests(3, first_block=0), requests(3, first_block=3)
     with BootstrapServer() as srv:
         p, d = workers.get()
         other = Worker("kvh-faults-decode-b")
         try:
             name = f"proc-{next(_names)}"
-            both = scenario({"chunk_delay": 0.15}, reqs=doomed + healthy, instance=name,
-                            transport=transport)
+            both = scenario({"chunk_delay": 0.15,
+                             "prefill_withhold": [rp.rid for rp in doomed]},
+                            reqs=doomed + healthy, instance=name, transport=transport)
             p.run("prefill", both, srv.url)
             d.run("decode", scenario({"decode_exit": "transferring"}, reqs=doomed,
                                      instance=name, transport=transport), srv.url)
