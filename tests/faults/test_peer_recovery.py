@@ -42,7 +42,11 @@ def test_a_broken_data_connection_is_redialed_for_the_next_request(
 
 def test_an_unreachable_rank_fails_the_request_naming_why(bootstrap: BootstrapServer,
                                                           instance: str) -> None:
-    rig = Rig(bootstrap.url, instance)
+    """The failed re-dial is the only way this request can fail: heartbeats get a
+    minute, so a loaded machine cannot declare decode lost first (that path fails the
+    request too, rightly, but names the loss, not the re-dial)."""
+    slow = {"heartbeat_timeout": 60.0}
+    rig = Rig(bootstrap.url, instance, prefill_cfg=slow, decode_cfg=slow)
     try:
         rig.handoff(rig.plan(1))
         old = _only_peer(rig)
