@@ -21,6 +21,11 @@ SUCCESS and FAILED are terminal. What fires each event:
 * ``FAIL`` — a timeout, a transport failure, a peer lost, a rejected handshake.
 * ``ABORT`` — an Abort from the engine or the peer.
 
+What a final status promises (prefill SUCCESS: the transport acknowledged every byte in
+decode's registered memory, not that decode is still alive; decode SUCCESS: every rank's
+last chunk, the checksums when asked for and the aux guard) is tabulated in the README's
+"How it works".
+
 Across ranks, statuses reduce with :func:`combine` (the minimum in the order
 FAILED < BOOTSTRAPPING < WAITING_FOR_INPUT < TRANSFERRING < SUCCESS): one failed
 rank fails the request, and it succeeds only when every rank has.
