@@ -93,6 +93,11 @@ class TwoHosts:
         _ip("link", "set", self._veth_p, "down", ns=self.prefill_ns)
         _ip("link", "set", self._veth_d, "down", ns=self.decode_ns)
 
+    def restore(self) -> None:
+        """Bring the link back up on both ends (the addresses stay across down/up)."""
+        _ip("link", "set", self._veth_p, "up", ns=self.prefill_ns)
+        _ip("link", "set", self._veth_d, "up", ns=self.decode_ns)
+
     def popen(self, ns: str) -> subprocess.Popen[bytes]:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         return subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m",
