@@ -60,6 +60,7 @@ class LayerKind(enum.StrEnum):
     MAMBA1 = "mamba1"  # Mamba1: conv [d_inner] + SSM [d_inner, state] slot (Jamba)
     ATTN_MAMBA2 = "attn_mamba2"  # attention K/V pages and a Mamba2 slot in one layer (Falcon-H1)
     KDA = "kda"  # Kimi delta attention: transposed conv + SSM slot
+    SHORT_CONV = "short_conv"  # short convolution: a conv [channels, K-1] slot, no SSM (LFM2)
     MLP = "mlp"  # no per-request state
     DSV4_W = "dsv4_w"  # DeepSeek-V4 window-only layer (compress ratio 0)
     DSV4_C4 = "dsv4_c4"  # DeepSeek-V4 ratio-4 layer (+ indexer)
@@ -101,6 +102,9 @@ class ModelShape:
     mamba_state: int = 0
     conv_kernel: int = 4
     conv_dtype_bytes: int = 2
+    # short convolutions (LFM2): channels (TP-sharded) and kernel width of the conv slot
+    short_conv_channels: int = 0
+    short_conv_kernel: int = 0
     ssm_dtype_bytes: int = 4
     # DeepSeek-V4
     dsv4_kv_row_bytes: int = 0  # compressed / SWA KV row: 448 fp8 nope + 64 bf16 rope
@@ -123,6 +127,10 @@ class ModelShape:
         if self.has(LayerKind.MAMBA1) and not (self.mamba_intermediate and self.mamba_state):
             raise LayoutError(f"shape {self.name!r}: Mamba1 layers need mamba_intermediate and "
                               f"mamba_state")
+        if self.has(LayerKind.SHORT_CONV) and not (self.short_conv_channels
+                                                     and self.short_conv_kernel > 1):
+            raise LayoutError(f"shape {self.name!r}: short-conv layers need short_conv_channels "
+                              f"and a short_conv_kernel above 1")
         for i in self.index_elided_layers:
             if not 0 <= i < len(self.layers) or self.layers[i] is not LayerKind.MLA:
                 raise LayoutError(f"shape {self.name!r}: elided indexer layer {i} is no MLA layer")
@@ -248,11 +256,19 @@ KIMI_LINEAR = ModelShape(
     mla_row_bytes=(512 + 64) * 2,
     linear_k_heads=32, linear_k_dim=128, linear_v_heads=32, linear_v_dim=128, conv_kernel=4,
 )
+LFM2 = ModelShape(
+    # LFM2-1.2B: 16 layers, full attention at 2, 5, 8, 10, 12, 14 (GQA 8 KV heads x 64),
+    # short convolutions elsewhere: a conv_L_cache 3 window over the 2048 hidden channels.
+    name="lfm2",
+    layers=tuple(LayerKind.ATTN if i in (2, 5, 8, 10, 12, 14) else LayerKind.SHORT_CONV
+                 for i in range(16)),
+    kv_heads=8, head_dim=64, short_conv_channels=2048, short_conv_kernel=3,
+)
 
 SHAPES: dict[str, ModelShape] = {
     s.name: s
     for s in (QWEN3_NEXT, NEMOTRON_H, GPT_OSS, DEEPSEEK_V32, DEEPSEEK_V4, LLAMA, KIMI_LINEAR,
-              JAMBA)
+              JAMBA, LFM2)
 }
 
 
@@ -307,6 +323,7 @@ def tiny(shape: ModelShape, *, num_layers: int | None = None) -> ModelShape:
         mamba_head_dim=dim(shape.mamba_head_dim, 4),
         mamba_groups=heads(shape.mamba_groups),
         mamba_state=dim(shape.mamba_state, 4),
+        short_conv_channels=dim(shape.short_conv_channels, 16),
         dsv4_kv_row_bytes=dim(shape.dsv4_kv_row_bytes, 24),
         dsv4_head_dim=dim(shape.dsv4_head_dim, 4),
         dsv4_index_head_dim=dim(shape.dsv4_index_head_dim, 2),
@@ -406,6 +423,9 @@ def layout_for(
     if shape.has(*_LINEAR):
         comps.append(Component(type=StateType.MAMBA, name="mamba", tensors=tuple(
             b.mamba(mine, num_slots))))
+    if shape.has(LayerKind.SHORT_CONV):
+        comps.append(Component(type=StateType.SHORT_CONV, name="short_conv", tensors=tuple(
+            b.short_conv(mine, num_slots))))
     comps.append(Component(type=StateType.AUX, name="aux", tensors=(
         b.tensor("aux", NO_LAYER, shape.aux_row_bytes, num_slots),)))
     return Layout(
@@ -497,6 +517,15 @@ class _Builder:
                 + [self.tensor("ssm", i, 0, slots, shard=ssm, dtype=_dtype(s.ssm_dtype_bytes))
                    for i in layers])
 
+    def short_conv(self, mine: range, slots: int) -> list[TensorSpec]:
+        """One conv slot per short-conv layer: ``[channels, K-1]``, sharded by channel
+        (each rank convolves its slice of the hidden channels)."""
+        s = self.s
+        conv = ShardSpec.axis(axis=s.short_conv_channels,
+                              inner_bytes=(s.short_conv_kernel - 1) * s.conv_dtype_bytes)
+        return [self.tensor("conv", i, 0, slots, shard=conv, dtype=_dtype(s.conv_dtype_bytes))
+                for i in s.layer_ids(LayerKind.SHORT_CONV) if i in mine]
+
     def dsv4(
         self, mine: range, last: bool, page: int, pages: int, swa_page: int, swa_pages: int,
         slots: int, spec: bool,
@@ -545,7 +574,7 @@ class _Builder:
 # Requests
 
 _PAGE_TYPES = (StateType.KV, StateType.MLA, StateType.NSA)
-_SLOT_TYPES = (StateType.MAMBA, StateType.REQUEST_ROW, StateType.AUX)
+_SLOT_TYPES = (StateType.MAMBA, StateType.SHORT_CONV, StateType.REQUEST_ROW, StateType.AUX)
 
 
 def request_for(

@@ -17,6 +17,7 @@ class StateType(enum.StrEnum):
     KV = "kv"  # full-attention KV pages (MHA/GQA: head-sharded)
     MLA = "mla"  # MLA latent KV pages (replicated across TP)
     MAMBA = "mamba"  # Mamba2 / GDN / KDA conv + SSM state, one slot per request
+    SHORT_CONV = "short_conv"  # short-convolution window only (LFM2), one slot per request
     SWA = "swa"  # sliding-window KV pages of the window only
     NSA = "nsa"  # sparse-attention (DSA) indexer pages, suffix after the decode prefix
     DSV4_SWA = "dsv4_swa"  # DeepSeek-V4 SWA KV + page-scoped compress rings (mixed items)
@@ -62,6 +63,10 @@ POLICIES: dict[StateType, Policy] = {
     StateType.MAMBA: Policy(
         index_kind=IndexKind.SLOT, length=LengthPolicy.EXACT, may_be_empty=False, max_items=1,
         indices="the request's mamba slot",
+    ),
+    StateType.SHORT_CONV: Policy(
+        index_kind=IndexKind.SLOT, length=LengthPolicy.EXACT, may_be_empty=False, max_items=1,
+        indices="the request's conv slot",
     ),
     StateType.SWA: Policy(
         index_kind=IndexKind.PAGE, length=LengthPolicy.TRIM, may_be_empty=True,

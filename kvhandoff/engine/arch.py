@@ -9,12 +9,13 @@ linear-attention conv's channels split into independently sharded sub-blocks:
 gated delta nets (configs with ``linear_key_head_dim``: Qwen3-Next, Qwen3.5) use
 ``[q | k | v]``; Mamba2 mixers use ``[x | B | C]``; Mamba1 mixers (a 3-D recurrent state
 ``[d_inner, d_state]``: Jamba, Mamba, Falcon-Mamba) have one channel axis ``d_inner``,
-which also indexes the SSM state. Everything else is read off the cache, so a new family
+which also indexes the SSM state; short convolutions (a conv state and no recurrent state:
+LFM2) have one channel axis, the hidden size. Everything else is read off the cache, so a new family
 built from the same cache-layer kinds needs no code here.
 
 Kinds: full / sliding attention, MLA (+ DSA indexer), linear attention (GDN, Mamba2,
-Mamba1), ``"hybrid"`` layers holding attention K/V and a Mamba2 slot at once (Falcon-H1),
-DeepSeek-V4's compressed kinds, and dummy layers.
+Mamba1), short convolutions, ``"hybrid"`` layers holding attention K/V and a Mamba2 slot
+at once (Falcon-H1), DeepSeek-V4's compressed kinds, and dummy layers.
 
 The result drives :func:`kvhandoff.shapes.layout_for`: the engine's pools are laid out
 exactly as the library's named shapes describe real deployments (sglang's pools).
@@ -36,6 +37,7 @@ from kvhandoff.engine.codecs import (
     LatentCodec,
     LayerCodec,
     LinearCodec,
+    ShortConvCodec,
 )
 from kvhandoff.errors import LayoutError
 from kvhandoff.shapes import LayerKind, ModelShape
@@ -103,20 +105,34 @@ def describe(model: PreTrainedModel, name: str = "") -> Arch:
 
     Raises :class:`~kvhandoff.errors.LayoutError` naming the layer for a cache-layer kind
     the engine has no codec for (e.g. sliding-window attention and a linear state in one
-    layer, or short-conv mixers without a recurrent state: ``kvhandoff.shapes`` has no
-    layer kind for them yet).
+    layer: ``kvhandoff.shapes`` has no layer kind for it).
     """
     cfg = model.config.get_text_config(decoder=True)
     cache = DynamicCache(config=model.config)
     forward(model, torch.zeros((1, _PROBE_TOKENS), dtype=torch.long), cache)
     kinds = [_kind(layer) for layer in cache.layers]
     dsv4 = any(k in _DSV4_KINDS for k in kinds)
-    mla = getattr(cfg, "kv_lora_rank", None) is not None
     b = _ShapeBuilder(name or cfg.model_type)
     codecs: list[LayerCodec | None] = []
     for i, (kind, layer) in enumerate(zip(kinds, cache.layers, strict=True)):
-        codecs.append(b.layer(i, kind, layer, cfg, dsv4=dsv4, mla=mla))
+        codecs.append(b.layer(i, kind, layer, cfg, dsv4=dsv4, mla=_is_mla(cfg, i)))
     return Arch(name=b.name, shape=b.shape(), codecs=tuple(codecs), window=b.window, dsv4=dsv4)
+
+
+def _short_conv(layer: Any) -> bool:
+    """A short-convolution mixer's layer (LFM2): one conv state and no recurrent state."""
+    return bool(layer.number_of_states == 1 and layer.conv_states[0] is not None
+                and layer.recurrent_states[0] is None)
+
+
+def _is_mla(cfg: Any, i: int) -> bool:
+    """Whether layer ``i`` keeps an MLA latent (a ``kv_lora_rank`` is set). A config whose
+    layers differ (transformers' heterogeneous configs) refuses the global read with a
+    ``RuntimeError``: then the layer's own config (``per_layer_config[i]``) says."""
+    try:
+        return getattr(cfg, "kv_lora_rank", None) is not None
+    except RuntimeError:
+        return getattr(cfg.per_layer_config[i], "kv_lora_rank", None) is not None
 
 
 class _ShapeBuilder:
@@ -143,10 +159,15 @@ class _ShapeBuilder:
             return self._dsv4(i, kind, layer, cfg)
         if kind in ("DynamicLayer", "DynamicIndexedLayer") and mla:
             return self._latent(i, layer, indexed=kind == "DynamicIndexedLayer")
+        if kind == "DynamicSlidingWindowLayer" and mla:
+            raise LayoutError(f"{self.name} layer {i}: a sliding-window MLA layer (a windowed "
+                              f"latent); kvhandoff.shapes has MLA pages for full attention only")
         if kind in ("DynamicLayer", "DynamicSlidingWindowLayer"):
             window = int(layer.sliding_window) if kind == "DynamicSlidingWindowLayer" else None
             self.kinds.append(LayerKind.SWA if window else LayerKind.ATTN)
             return self._attention(i, layer, window)
+        if kind == "LinearAttentionLayer" and _short_conv(layer):
+            return self._short_conv(i, layer)
         if kind == "LinearAttentionLayer":
             codec, lk = self._linear(i, layer, cfg)
             self.kinds.append(lk)
@@ -164,8 +185,19 @@ class _ShapeBuilder:
             f"{self.name} layer {i}: no engine codec for cache layer kind {kind!r} "
             f"({type(layer).__name__}); kvhandoff.shapes has one layer kind per layer")
 
+    def _filled(self, i: int, what: str, *tensors: Any) -> None:
+        """Refuse a layer the probe forward left without ``what`` (a cross-attention
+        layer filled only from an image, an indexer that never ran on a short prompt):
+        the engine cannot tell its shape, and a request would find nothing to move."""
+        if any(t is None for t in tensors):
+            raise LayoutError(f"{self.name} layer {i}: a forward over text left this layer's "
+                              f"{what} empty (state filled only by other inputs or "
+                              f"conditions, e.g. cross-attention over an image); the engine "
+                              f"maps only state a text forward fills")
+
     def _attention(self, i: int, layer: Any, window: int | None) -> AttentionCodec:
         k, v = layer.keys, layer.values
+        self._filled(i, "attention K/V", k, v)
         if k.shape != v.shape:
             raise LayoutError(f"{self.name} layer {i}: K {tuple(k.shape)} and V "
                               f"{tuple(v.shape)} differ; MHA pages need equal shapes")
@@ -179,17 +211,27 @@ class _ShapeBuilder:
 
     def _latent(self, i: int, layer: Any, *, indexed: bool) -> LayerCodec:
         k, v = layer.keys, layer.values  # [1, 1, S, kv_lora], [1, 1, S, rope]
+        self._filled(i, "MLA latent K/V", k, v)
         latent, rope = k.shape[-1], v.shape[-1]
         self._set(mla_row_bytes=(latent + rope) * k.element_size())
         index_dim = 0
         index_dtype = None
         if indexed:
             ik = layer.indexer_keys  # [1, S, index_head_dim]
+            self._filled(i, "DSA indexer keys", ik)
             index_dim, index_dtype = ik.shape[-1], ik.dtype
             self._set(index_row_bytes=index_dim * ik.element_size())
         self.kinds.append(LayerKind.MLA)
         return LatentCodec(layer=i, latent=latent, rope=rope, dtype=k.dtype,
                            index_dim=index_dim, index_dtype=index_dtype)
+
+    def _short_conv(self, i: int, layer: Any) -> ShortConvCodec:
+        conv = layer.conv_states[0]  # [1, channels, K]
+        channels, width = conv.shape[1], conv.shape[2]
+        self._set(short_conv_channels=channels, short_conv_kernel=width,
+                  conv_dtype_bytes=conv.element_size())
+        self.kinds.append(LayerKind.SHORT_CONV)
+        return ShortConvCodec(layer=i, conv=(channels, width), dtype=conv.dtype)
 
     def _linear(self, i: int, layer: Any, cfg: Any) -> tuple[LinearCodec, LayerKind]:
         if layer.number_of_states != 1:
@@ -202,11 +244,11 @@ class _ShapeBuilder:
                               f"the model did not fill the cache it was given")
         if conv is None or ssm is None or ssm.dim() not in (3, 4):
             got = "no" if ssm is None else f"a {ssm.dim()}-D"
+            what = "no conv state" if conv is None else f"{got} recurrent state"
             raise LayoutError(
-                f"{self.name} layer {i}: linear-attention layer with {got} recurrent state "
-                f"(the engine maps a conv state plus a 3-D Mamba1 or 4-D Mamba2 / GDN SSM "
-                f"state; other mixers, e.g. short convolutions, have no kvhandoff.shapes "
-                f"layer kind yet)")
+                f"{self.name} layer {i}: linear-attention layer with {what} (the engine maps "
+                f"a conv state alone (short convolutions) or with a 3-D Mamba1 or 4-D "
+                f"Mamba2 / GDN SSM state; kvhandoff.shapes has no layer kind for this one)")
         channels, width = conv.shape[1], conv.shape[2]
         common = {"conv_kernel": width, "conv_dtype_bytes": conv.element_size(),
                   "ssm_dtype_bytes": ssm.element_size()}

@@ -18,6 +18,8 @@ cache layer                            codec and what it moves
                                        and ``ssm`` state of the request slot (``mamba``):
                                        Mamba2 / GDN ``[heads, a, b]``, Mamba1
                                        ``[d_inner, d_state]``
+``LinearAttentionLayer`` with no       :class:`ShortConvCodec`: ``conv`` ``[channels, K-1]``
+recurrent state (short conv, LFM2)     of the request slot (component ``short_conv``)
 ``LinearAttentionAndFullAttention``    :class:`HybridCodec`: both of the above in one
 ``Layer`` (``"hybrid"``)               layer (``kv`` rows and the ``mamba`` slot)
 DeepSeek-V4 sliding / CSA / HCA        :class:`DeepseekV4Codec`: window rows, compressed
@@ -233,6 +235,33 @@ class LinearCodec(LayerCodec):
                                         conv_kernel_size=width)
         cache_layer.conv_states[0].copy_(conv)
         cache_layer.recurrent_states[0].copy_(ssm)
+        cache_layer.has_previous_state[0] = True
+
+
+class ShortConvCodec(LayerCodec):
+    """A short-convolution mixer's state of one layer (LFM2): the conv window alone,
+    no recurrent state. Sharded by channel like any conv slot."""
+
+    def __init__(self, *, layer: int, conv: tuple[int, int], dtype: torch.dtype) -> None:
+        self.layer, self.conv, self.dtype = layer, conv, dtype
+        channels, width = conv
+        self.fields = (Field("short_conv", "conv", layer, Series.SLOT,
+                             channels * (width - 1) * dtype.itemsize, itemsize=dtype.itemsize),)
+
+    def read(self, cache_layer: Any, f: Field, since: int = 0) -> tuple[IdArray, RowArray]:
+        if since > 0:
+            return _arange(0, 0), np.zeros((0, f.row_bytes), np.uint8)
+        return _arange(0, 1), to_rows(cache_layer.conv_states[0][0, :, 1:].unsqueeze(0))
+
+    def live(self, f: Field, n: int) -> IdArray:
+        return _arange(0, 1)
+
+    def fill(self, cache_layer: Any, n: int, rows: Mapping[Key, RowArray]) -> None:
+        channels, width = self.conv
+        conv = torch.zeros((1, channels, width), dtype=self.dtype)
+        conv[0, :, 1:] = from_rows(rows[self.fields[0].key], self.dtype, (channels, width - 1))
+        cache_layer.lazy_initialization(conv_states=conv, conv_kernel_size=width)
+        cache_layer.conv_states[0].copy_(conv)
         cache_layer.has_previous_state[0] = True
 
 

@@ -50,7 +50,7 @@ def component_lists(
             pages = swa_window_pages(row, n, window, sps, prefix, tables.full_to_swa)
             pos = compress_state_positions(n, 4) if t is StateType.DSV4_SWA else None
             out[c.name] = ItemList(items=pages, positions=pos)
-        elif t is StateType.MAMBA:
+        elif t in (StateType.MAMBA, StateType.SHORT_CONV):
             out[c.name] = ItemList(items=mamba_slot(req.slot))
         elif t is StateType.DSV4_REQUEST:
             out[c.name] = ItemList(items=slot if n % 128 else slot[:0])

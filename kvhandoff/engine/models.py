@@ -116,6 +116,12 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
                 "time_step_rank": 8},
     ),
     Architecture(
+        name="lfm2", model_type="lfm2",
+        about="LFM2: short convolutions (a conv window, no SSM, sharded by channel) and attention",
+        config={"num_hidden_layers": 4, "num_key_value_heads": 2, "intermediate_size": 64,
+                "layer_types": ["conv", "full_attention", "conv", "full_attention"]},
+    ),
+    Architecture(
         name="gpt_oss", model_type="gpt_oss",
         about="GPT-OSS: alternating sliding-window (8) and full attention, attention sinks",
         config={"num_hidden_layers": 4, "num_key_value_heads": 2, "head_dim": 16,

@@ -34,7 +34,7 @@ from kvhandoff.engine.instance import Snapshot
 from kvhandoff.engine.models import ARCHITECTURES, load_model
 from kvhandoff.engine.pools import PoolConfig, RankPools
 from kvhandoff.engine.prefill import PrefillInstance
-from kvhandoff.engine.transfer import LocalTransfer, Transfer
+from kvhandoff.engine.transfer import LocalTransfer, Transfer, handshake
 
 TransferFactory = Callable[[Sequence[RankPools], Sequence[RankPools]], Transfer]
 """Builds the transfer between prefill ranks and decode ranks (default: in-process)."""
@@ -159,6 +159,53 @@ def snapshot_digest(snapshot: Snapshot) -> dict[str, str]:
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class Engines:
+    """A started prefill instance, decode instance and the transfer between them."""
+
+    prep: Prepared
+    prefill: PrefillInstance
+    decode: DecodeInstance
+    link: Transfer
+    page_size: int
+    prefix_hit: bool
+
+
+def start(
+    model: str | os.PathLike[str] | PretrainedConfig | PreTrainedModel,
+    prompt_lens: Sequence[int],
+    *,
+    prefill_tp: int = 1,
+    decode_tp: int = 1,
+    chunk: int = 16,
+    prefix_hit: bool = False,
+    page_size: int | None = None,
+    transfer: TransferFactory | None = None,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    num_pages: int | None = None,
+) -> Engines:
+    """Everything :func:`run_disaggregated` does before its first request: load and
+    describe the model, lay out both instances' pools (sized for ``prompt_lens``), and
+    check every (prefill rank, decode rank) pair as the session handshake does
+    (:func:`~kvhandoff.engine.transfer.handshake`). Whatever cannot work is refused here,
+    by a :class:`~kvhandoff.errors.HandoffError` naming the cause (an unmappable cache
+    layer, a TP size the heads do not allow, incompatible layouts)."""
+    prep = prepare(model, dtype)
+    m, arch, sps = prep.model, prep.arch, prep.swa_page_size
+    ps = page_size or prep.page_size
+    total = sum(prompt_lens)
+    pages = num_pages or 2 * sum(math.ceil(n / ps) + 1 for n in prompt_lens) + 8
+    pools = PoolConfig(page_size=ps, num_pages=pages, num_slots=8, swa_page_size=sps,
+                       num_swa_pages=(2 * total // (sps or ps) + 16))
+    prefill = PrefillInstance(m, arch, tp=prefill_tp, pools=pools, chunk=chunk, seed=seed)
+    decode = DecodeInstance(m, arch, tp=decode_tp, pools=pools, prefix_cache=prefix_hit,
+                            seed=seed)
+    handshake(prefill.ranks, decode.ranks)
+    link = (transfer or LocalTransfer)(prefill.ranks, decode.ranks)
+    return Engines(prep, prefill, decode, link, ps, prefix_hit)
+
+
 def run_disaggregated(
     model: str | os.PathLike[str] | PretrainedConfig | PreTrainedModel,
     prompts: Sequence[Sequence[int]],
@@ -181,21 +228,22 @@ def run_disaggregated(
     prompts unless ``num_pages`` says otherwise (a small pool makes decode evict its
     prefix cache under pressure); every page and slot must be free again at the end
     (``RunResult.leaks``)."""
-    prep = prepare(model, dtype)
-    m, arch, sps = prep.model, prep.arch, prep.swa_page_size
-    ps = page_size or prep.page_size
-    total = sum(len(p) for p in prompts)
-    pages = num_pages or 2 * sum(math.ceil(len(p) / ps) + 1 for p in prompts) + 8
-    pools = PoolConfig(page_size=ps, num_pages=pages, num_slots=8, swa_page_size=sps,
-                       num_swa_pages=(2 * total // (sps or ps) + 16))
-    prefill = PrefillInstance(m, arch, tp=prefill_tp, pools=pools, chunk=chunk, seed=seed)
-    decode = DecodeInstance(m, arch, tp=decode_tp, pools=pools, prefix_cache=prefix_hit,
-                            seed=seed)
-    link = (transfer or LocalTransfer)(prefill.ranks, decode.ranks)
+    e = start(model, [len(p) for p in prompts], prefill_tp=prefill_tp, decode_tp=decode_tp,
+              chunk=chunk, prefix_hit=prefix_hit, page_size=page_size, transfer=transfer,
+              dtype=dtype, seed=seed, num_pages=num_pages)
+    return serve(e, prompts, max_new_tokens=max_new_tokens, corrupt=corrupt)
+
+
+def serve(e: Engines, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 16,
+          corrupt: str | None = None) -> RunResult:
+    """Hand every prompt off through started engines (:func:`start`), in order, then
+    drop decode's prefix cache and count what is still allocated."""
+    m, ps, prefill, decode, link = e.prep.model, e.page_size, e.prefill, e.decode, e.link
+    chunk = prefill.chunk
     results: list[RequestResult] = []
     for prompt in prompts:
         toks = np.asarray(prompt, dtype=np.int64)
-        if prefix_hit:
+        if e.prefix_hit:
             donor = _donor(toks, decode.max_prefix(len(toks)), math.lcm(ps, chunk),
                            int(m.config.get_text_config().vocab_size))
             if donor is not None:
@@ -206,8 +254,8 @@ def run_disaggregated(
     decode.evict()
     leaks = {f"prefill {k}": v for k, v in prefill.tables.leaks().items()}
     leaks |= {f"decode {k}": v for k, v in decode.tables.leaks().items()}
-    return RunResult(model=prep.name, prefill_tp=prefill_tp, decode_tp=decode_tp, page_size=ps,
-                     chunk=chunk, requests=results, leaks=leaks)
+    return RunResult(model=e.prep.name, prefill_tp=prefill.tp, decode_tp=decode.tp,
+                     page_size=ps, chunk=chunk, requests=results, leaks=leaks)
 
 
 def _donor(toks: np.ndarray, cap: int, step: int, vocab: int) -> np.ndarray | None:

@@ -33,11 +33,13 @@ import numpy.typing as npt
 
 from kvhandoff.engine.alloc import IdArray
 from kvhandoff.engine.pools import CHUNKED_TYPES
-from kvhandoff.errors import PlanError
+from kvhandoff.errors import HandshakeError, PlanError
 from kvhandoff.layout import Layout
 from kvhandoff.plan import Indices, plan
 from kvhandoff.plan.execute import HostMemory, execute
 from kvhandoff.plan.request import Request
+from kvhandoff.protocol import PROTOCOL_VERSION
+from kvhandoff.session.compat import handshake_report
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -117,6 +119,21 @@ class PrefillTransfer(Protocol):
 
 class Transfer(DecodeTransfer, PrefillTransfer, Protocol):
     """Both halves, for one process (:class:`LocalTransfer`, ``SessionLink``)."""
+
+
+def handshake(prefill: Sequence[Endpoint], decode: Sequence[Endpoint]) -> None:
+    """Check every (prefill rank, decode rank) pair as the session handshake does
+    (:func:`~kvhandoff.session.compat.handshake_report`, both sides on one in-process
+    transport), so an in-process run refuses at start-up exactly what a real deployment
+    would. Raises :class:`~kvhandoff.errors.HandshakeError` listing every problem, naming
+    the first failing pair."""
+    for p, src in enumerate(prefill):
+        for d, dst in enumerate(decode):
+            problems = handshake_report(src.layout, dst.layout, prefill_transport="memory",
+                                        decode_transport="memory",
+                                        protocol_version=PROTOCOL_VERSION)
+            if problems:
+                raise HandshakeError(problems, peer=f"prefill rank {p} (decode rank {d})")
 
 
 @dataclass(slots=True)

@@ -43,6 +43,16 @@ def test_demo_hands_off_a_local_all_sliding_window_checkpoint(
     assert text.count("tokens equal ✓") == 2 and "2/2 requests" in text and "✗" not in text
 
 
+def test_demo_hands_off_short_convolution_state(capsys: pytest.CaptureFixture[str]) -> None:
+    """LFM2's short-conv slots (sharded by channel) over the session layer and tcp."""
+    args = ["demo", "--model", "lfm2", "--prefill-tp", "2", "--decode-tp", "1",
+            "--requests", "2", "--max-new-tokens", "4", "--chunk", "8"]
+    assert cli.main(args) == 0
+    text = capsys.readouterr().out
+    assert "short_conv" in text
+    assert text.count("tokens equal ✓") == 2 and "2/2 requests" in text and "✗" not in text
+
+
 def test_demo_fails_on_a_corrupted_byte(capsys: pytest.CaptureFixture[str]) -> None:
     # decode flips one received KV byte before rebuilding its cache: the check must fail
     assert cli.main([*SMALL, "--corrupt", "kv"]) == 1

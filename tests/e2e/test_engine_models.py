@@ -153,11 +153,39 @@ def test_new_kinds_catch_a_corrupted_byte(arch: str, target: str) -> None:
     assert not any(result.leaks.values())
 
 
+# LFM2 (hidden 64, conv_L_cache 3): per short-conv layer a [64, 2] fp32 conv window
+SHORT_CONV_BYTES = 2 * 64 * 2 * 4
+SHORT_CONV_PAIRS = [(2, 1), (1, 2), (2, 4)]
+
+
+@pytest.mark.parametrize("pair", SHORT_CONV_PAIRS,
+                         ids=[f"tp{p}to{d}" for p, d in SHORT_CONV_PAIRS])
+def test_short_convolution_state(pair: tuple[int, int]) -> None:
+    """LFM2's short-conv layers keep a conv window and no recurrent state: their own state
+    kind (``short_conv``, one slot, sharded by channel) next to the attention KV."""
+    shape = describe(load_model("lfm2"), "lfm2").shape
+    assert shape.layers == (LayerKind.SHORT_CONV, LayerKind.ATTN) * 2
+    assert (shape.short_conv_channels, shape.short_conv_kernel) == (64, 3)
+    result = run_disaggregated("lfm2", sample_prompts([5, 16, 23, 37], seed=9),
+                               prefill_tp=pair[0], decode_tp=pair[1], chunk=6)
+    assert result.ok, [(r.disaggregated, r.colocated, r.state_diff) for r in result.requests]
+    assert not any(result.leaks.values()), result.leaks
+    for r in result.requests:
+        assert len(r.disaggregated) == 16
+        assert set(r.bytes_by_component) == {"kv", "short_conv", "aux"}
+        # channels shard 1:1 at every TP size here: each byte lands once
+        assert r.bytes_by_component["short_conv"] == SHORT_CONV_BYTES
+
+
+def test_short_convolution_catches_a_corrupted_byte() -> None:
+    result = run_disaggregated("lfm2", sample_prompts([23, 37], seed=2), prefill_tp=2,
+                               decode_tp=1, chunk=6, corrupt="short_conv")
+    assert not result.ok and not any(r.ok for r in result.requests)
+    assert all("short_conv" in r.state_diff for r in result.requests)
+    assert not any(result.leaks.values())
+
+
 @pytest.mark.parametrize(("model_type", "kwargs", "message"), [
-    # LFM2's short convolutions: a conv state and no recurrent state
-    ("lfm2", {"num_hidden_layers": 2, "num_key_value_heads": 2, "intermediate_size": 64,
-              "full_attn_idxs": [1]},
-     "layer 0: linear-attention layer with no recurrent state"),
     # ZAYA's hybrid layers: attention next to a CCA state of another shape (2-D) ...
     ("zaya", {"num_hidden_layers": 2, "num_key_value_heads": 2, "head_dim": 16,
               "moe_intermediate_size": 32, "num_experts": 2, "router_hidden_size": 16},
@@ -167,7 +195,7 @@ def test_new_kinds_catch_a_corrupted_byte(arch: str, target: str) -> None:
               "moe_intermediate_size": 32, "num_experts": 2, "router_hidden_size": 16,
               "sliding_window": 8, "layer_types": ["hybrid_sliding", "hybrid"]},
      "layer 0: no engine codec for cache layer kind 'hybrid_sliding'"),
-], ids=["lfm2-short-conv", "zaya-hybrid-cca", "zaya-hybrid-sliding"])
+], ids=["zaya-hybrid-cca", "zaya-hybrid-sliding"])
 def test_unsupported_layer_kinds_fail_clearly(model_type: str, kwargs: dict, message: str
                                               ) -> None:
     cfg = AutoConfig.for_model(model_type, vocab_size=128, hidden_size=64,

@@ -65,6 +65,8 @@ def sem(shape: ModelShape, comp: Component, t: TensorSpec) -> Sem | None:
     s = shape
     if comp.type in (StateType.KV, StateType.SWA):  # NHD page rows: heads × head_dim
         return Sem(1, (s.kv_heads,), s.head_dim * s.kv_dtype_bytes)
+    if comp.type is StateType.SHORT_CONV:  # (channels, K-1): one channel axis
+        return Sem(1, (s.short_conv_channels,), (s.short_conv_kernel - 1) * s.conv_dtype_bytes)
     if comp.type is StateType.MAMBA:
         w = s.conv_kernel - 1
         kd = s.linear_k_heads * s.linear_k_dim
