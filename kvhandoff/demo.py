@@ -22,12 +22,15 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 from kvhandoff.demo_worker import (
     LEAKS,
@@ -42,6 +45,9 @@ from kvhandoff.demo_worker import (
     prompt_plan,
 )
 from kvhandoff.layout_demo import human_size
+
+if TYPE_CHECKING:
+    from kvhandoff.session.bootstrap import BootstrapServer
 
 DEFAULT_MODEL = "qwen3_next"
 START_TIMEOUT_S = 300.0
@@ -153,14 +159,24 @@ def list_models() -> str:
 def run(opts: Options, progress: Callable[[Row], None] | None = None) -> Outcome:
     """Start the bootstrap server and both engine processes, hand every prompt off and
     return one :class:`Row` per request (in order, ``progress`` called as each ends) and
-    both workers' pool leaks."""
+    both workers' pool leaks. The three share a throwaway deployment secret (a 0600 file
+    in a temporary directory, gone afterwards), so the demo runs authenticated."""
     from kvhandoff.session.bootstrap import BootstrapServer
+    from kvhandoff.session.secret import Secret, write_secret_file
 
-    with BootstrapServer() as srv:
+    with tempfile.TemporaryDirectory(prefix="kvhandoff-demo-") as tmp:
+        secret_file = write_secret_file(os.path.join(tmp, "secret"))
+        return _run(opts, BootstrapServer(secret=Secret.load(secret_file)), secret_file,
+                    progress)
+
+
+def _run(opts: Options, server: BootstrapServer, secret_file: str,
+         progress: Callable[[Row], None] | None) -> Outcome:
+    with server as srv:
         spec = WorkerSpec(model=opts.model, tp=opts.prefill_tp, chunk=opts.chunk,
                           bootstrap_url=srv.url, transport=opts.transport,
                           requests=opts.requests, max_new_tokens=opts.max_new_tokens,
-                          session=dict(opts.session))
+                          session=dict(opts.session), secret_file=secret_file)
         d_spec = WorkerSpec(**(asdict(spec) | {"tp": opts.decode_tp, "corrupt": opts.corrupt}))
         with _worker(prefill_main, spec) as (pre, ready), _worker(decode_main, d_spec) as (
                 dec, _):

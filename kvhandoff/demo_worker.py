@@ -49,15 +49,19 @@ class WorkerSpec:
     prefix_cache: bool = True
     corrupt: str | None = None  # decode only: flip one received byte of this component
     session: dict[str, float] = field(default_factory=dict)  # SessionConfig overrides
+    secret_file: str = ""  # the deployment secret the demo made ("": none)
 
 
 def session_config(spec: WorkerSpec) -> SessionConfig:
-    """The worker's session settings: ``spec.session`` (the demo's flags) over the
-    ``KVHANDOFF_*`` environment over the defaults. The overrides are also put into this
-    process's environment, since the links build their agents without an explicit config
-    (each agent reads :meth:`SessionConfig.from_env`)."""
-    cfg = SessionConfig.from_env(**spec.session)  # raises, naming the problem, before any agent
-    os.environ.update(env_of(spec.session))
+    """The worker's session settings: ``spec.session`` (the demo's flags) and
+    ``spec.secret_file`` over the ``KVHANDOFF_*`` environment over the defaults. The
+    overrides are also put into this process's environment, since the links build their
+    agents without an explicit config (each agent reads :meth:`SessionConfig.from_env`)."""
+    overrides: dict[str, float | str] = dict(spec.session)
+    if spec.secret_file:
+        overrides["secret_file"] = spec.secret_file
+    cfg = SessionConfig.from_env(**overrides)  # raises, naming the problem, before any agent
+    os.environ.update(env_of(overrides))
     return cfg
 
 

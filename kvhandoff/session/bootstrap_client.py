@@ -6,8 +6,8 @@ asyncio) to register and look up ranks. The server is :mod:`kvhandoff.session.bo
 
 Routes (JSON bodies; every non-2xx answer is an :class:`ErrorBody`)::
 
-    POST   /v1/register                RankRecord  → 200 RegisterReply  | 400 413 409 507
-    DELETE /v1/register                RankId      → 200 DeregisterReply | 400 413 409
+    POST   /v1/register                RankRecord  → 200 RegisterReply  | 400 401 408 413 409 507
+    DELETE /v1/register                RankId      → 200 DeregisterReply | 400 401 408 413 409
     GET    /v1/instances/{instance}    [?dp_rank=0&tp_rank=0,1&pp_rank=1]
                                                    → 200 InstanceInfo   | 503 NotReady | 404 400
     GET    /health                                 → 200 Health
@@ -19,6 +19,12 @@ Error tree (all under :class:`kvhandoff.errors.HandoffError`)::
     ├── BootstrapRejected         the server refused the request (4xx, 507); never retried
     │   └── RegistrationConflict  409: the record contradicts what is registered
     └── BootstrapTimeout          lookup: the instance did not become ready in time
+
+Authentication: given ``key`` (the deployment secret's
+:data:`~kvhandoff.session.secret.PURPOSE_BOOTSTRAP` key), :func:`register` and
+:func:`deregister` sign each attempt (:mod:`kvhandoff.session.bootstrap_auth`); a server
+with a secret answers an unsigned or badly signed request 401, raised here as
+:class:`BootstrapRejected`. Lookups are never signed.
 
 Every function here is stateless and safe to call from any number of threads at once.
 Every loop is bounded in attempts *and* time; each attempt has a socket timeout.
@@ -38,6 +44,7 @@ import msgspec
 from msgspec import Meta
 
 from kvhandoff.errors import HandoffError
+from kvhandoff.session.bootstrap_auth import sign
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -213,7 +220,8 @@ class ErrorBody(msgspec.Struct, frozen=True, kw_only=True):
     """Every non-2xx answer. ``error`` is a stable code; ``reason`` a sentence for people."""
 
     error: str  # malformed | too_large | unsupported_version | conflict | not_found |
-    #             capacity | method_not_allowed | internal | http_error
+    #             capacity | method_not_allowed | internal | http_error | unauthorized |
+    #             busy | timeout
     reason: str
     conflicts: list[Conflict] = msgspec.field(default_factory=list)
 
@@ -300,8 +308,9 @@ def _transient(status: int) -> bool:
     return status >= 500 and status != 507
 
 
-def _request(url: str, method: str, path: str, body: bytes | None, timeout: float
-             ) -> tuple[int, bytes]:
+def _request(url: str, method: str, path: str, body: bytes | None, timeout: float,
+             key: bytes | None = None) -> tuple[int, bytes]:
+    """One HTTP exchange; with ``key``, signed (a fresh nonce and timestamp each call)."""
     parts = urllib.parse.urlsplit(url)
     if parts.scheme != "http" or not parts.hostname:
         raise BootstrapRejected(f"bootstrap url {url!r} is not http://host:port", status=None)
@@ -310,7 +319,10 @@ def _request(url: str, method: str, path: str, body: bytes | None, timeout: floa
         headers = {"Connection": "close"}
         if body is not None:
             headers["Content-Type"] = "application/json"
-        conn.request(method, parts.path.rstrip("/") + path, body=body, headers=headers)
+        full = parts.path.rstrip("/") + path
+        if key is not None:
+            headers.update(sign(key, method, full, body or b"", now=time.time()))
+        conn.request(method, full, body=body, headers=headers)
         resp = conn.getresponse()
         return resp.status, resp.read(MAX_REPLY_BYTES)
     finally:
@@ -388,21 +400,25 @@ def _validated(record: RankRecord) -> bytes:
 
 
 def register(url: str, record: RankRecord, *, retries: int = 5, backoff: float = 0.5,
-             max_backoff: float = 8.0, timeout: float = 5.0) -> RegisterReply:
+             max_backoff: float = 8.0, timeout: float = 5.0, key: bytes | None = None
+             ) -> RegisterReply:
     """Register one prefill rank; safe to repeat (an identical record answers 200 again).
 
     Retries connection errors and 5xx (except 507) up to ``retries`` times with bounded
     exponential backoff, so ranks may start before the server. Worst case it blocks about
     ``(retries + 1) * timeout + Σ min(max_backoff, backoff * 2**i)`` seconds.
 
+    With ``key``, every attempt is signed (see the module docstring).
+
     Raises :class:`RegistrationConflict` at once on 409 (not retried: the same record
-    cannot succeed later), :class:`BootstrapRejected` on other refusals, and
+    cannot succeed later), :class:`BootstrapRejected` on other refusals (401: unsigned or
+    signed with another secret), and
     :class:`BootstrapUnavailable` once the retries are spent.
     """
     body = _validated(record)
     what = f"register {record.where()}"
     status, data = _with_retries(
-        url, what, lambda: _request(url, "POST", "/v1/register", body, timeout),
+        url, what, lambda: _request(url, "POST", "/v1/register", body, timeout, key),
         retries=retries, backoff=backoff, max_backoff=max_backoff)
     if status != 200:
         raise _reject(what, status, data)
@@ -410,11 +426,14 @@ def register(url: str, record: RankRecord, *, retries: int = 5, backoff: float =
 
 
 def deregister(url: str, rank: RankRecord | RankId, *, retries: int = 2, backoff: float = 0.2,
-               max_backoff: float = 2.0, timeout: float = 5.0) -> bool:
+               max_backoff: float = 2.0, timeout: float = 5.0, key: bytes | None = None
+               ) -> bool:
     """Remove one rank's registration (e.g. on shutdown). Returns whether anything was
     removed; removing an absent rank is not an error. Given a :class:`RankRecord`, the
     removal is conditional on its endpoint still being the registered one (409 otherwise).
-    Same retry policy and errors as :func:`register`, with a smaller default budget."""
+    Same retry policy, signing and errors as :func:`register`, with a smaller default
+    budget. A server with a secret removes a rank only when its ``control_endpoint`` is
+    named (a :class:`RankRecord` always does)."""
     if isinstance(rank, RankRecord):
         rank = RankId(instance=rank.instance, dp_rank=rank.dp_rank, tp_rank=rank.tp_rank,
                       pp_rank=rank.pp_rank, control_endpoint=rank.control_endpoint)
@@ -422,7 +441,7 @@ def deregister(url: str, rank: RankRecord | RankId, *, retries: int = 2, backoff
     what = f"deregister instance {rank.instance!r} rank " \
            f"(dp={rank.dp_rank}, tp={rank.tp_rank}, pp={rank.pp_rank})"
     status, data = _with_retries(
-        url, what, lambda: _request(url, "DELETE", "/v1/register", body, timeout),
+        url, what, lambda: _request(url, "DELETE", "/v1/register", body, timeout, key),
         retries=retries, backoff=backoff, max_backoff=max_backoff)
     if status != 200:
         raise _reject(what, status, data)

@@ -29,6 +29,10 @@ the process's Prometheus metrics; ``metrics_port`` (``KVHANDOFF_METRICS_PORT``)
 serves the process's Prometheus metrics over HTTP (0: any free port; -1, the default: not
 served, though they are still collected for a host to merge); ``trace``
 (``KVHANDOFF_TRACE``) appends one JSON line per finished request to that file.
+
+Security: ``secret_file`` (``KVHANDOFF_SECRET_FILE``) names the deployment secret
+(:mod:`kvhandoff.session.secret`); a prefill rank then signs its bootstrap registration
+with it. The file is read when it is used, not here.
 """
 
 from __future__ import annotations
@@ -87,6 +91,7 @@ class SessionConfig:
     metrics: bool = True  # count this agent's requests in the process's metrics
     metrics_port: int = -1  # serve this process's Prometheus metrics here (0: any; -1: off)
     trace: str = ""  # append a JSON line per finished request to this file ("": off)
+    secret_file: str = ""  # the deployment secret (kvhandoff.session.secret; "": none)
 
     def __post_init__(self) -> None:
         problems = []

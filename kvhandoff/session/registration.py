@@ -5,7 +5,12 @@ refuses because the slot is held by a record that differs only in its control en
 (the same rank, restarted), that endpoint is probed by heartbeat: a silent one is a
 crashed process, whose record is removed before a second try; one that answers is a
 live rank configured as this one, and registration fails, saying so. Blocking; the
-agent calls it once, while starting.
+agent calls it once, while starting, and :func:`deregister_rank` once, while closing.
+
+With ``SessionConfig.secret_file`` set, every request is signed with the deployment
+secret's bootstrap key (:func:`bootstrap_key`); the takeover of a dead rank's slot then
+works as before, since the server lets any holder of the secret remove a rank that names
+its registered endpoint (the ownership rule in :mod:`kvhandoff.session.bootstrap`).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from collections.abc import Callable
 
 from kvhandoff.session.bootstrap_client import (
     BootstrapError,
+    BootstrapRejected,
     RankRecord,
     RegistrationConflict,
     deregister,
@@ -23,6 +29,7 @@ from kvhandoff.session.bootstrap_client import (
 from kvhandoff.session.bootstrap_client import RankId as BootstrapRankId
 from kvhandoff.session.config import SessionConfig
 from kvhandoff.session.errors import BootstrapFailed
+from kvhandoff.session.secret import PURPOSE_BOOTSTRAP, Secret, SecretError
 
 log = logging.getLogger("kvhandoff.session.agent")  # the agent's voice: one logger per agent
 
@@ -33,10 +40,14 @@ def register_rank(url: str, rec: RankRecord, *, config: SessionConfig, probe: Pr
                   what: str) -> None:
     """Register ``rec`` (``what``: the rank, for messages) at the bootstrap server
     ``url``; raises :class:`BootstrapFailed` naming why it cannot."""
+    try:
+        key = bootstrap_key(config)
+    except SecretError as e:
+        raise BootstrapFailed(f"{what} could not register: {e}") from e
     for attempt in range(2):  # a second try only after removing a dead rank's record
         try:
             register(url, rec, retries=config.register_retries, backoff=0.2,
-                     max_backoff=4.0, timeout=min(5.0, config.bootstrap_timeout))
+                     max_backoff=4.0, timeout=min(5.0, config.bootstrap_timeout), key=key)
             return
         except RegistrationConflict as e:
             stale = _stale_endpoint(e)
@@ -50,12 +61,36 @@ def register_rank(url: str, rec: RankRecord, *, config: SessionConfig, probe: Pr
             try:
                 deregister(url, BootstrapRankId(instance=rec.instance, dp_rank=rec.dp_rank,
                                                 tp_rank=rec.tp_rank, pp_rank=rec.pp_rank,
-                                                control_endpoint=stale), retries=1)
+                                                control_endpoint=stale), retries=1,
+                           key=key)
             except BootstrapError as e2:
                 raise BootstrapFailed(f"{what} could not remove the dead rank's "
                                       f"registration at {stale}: {e2}") from e2
+        except BootstrapRejected as e:
+            hint = (" (the server requires signed registrations: set KVHANDOFF_SECRET_FILE "
+                    "to the deployment secret)" if e.status == 401 and key is None else "")
+            raise BootstrapFailed(f"{what} could not register: {e}{hint}") from e
         except BootstrapError as e:
             raise BootstrapFailed(f"{what} could not register: {e}") from e
+
+
+def deregister_rank(url: str, rec: RankRecord, *, config: SessionConfig) -> None:
+    """Remove ``rec``'s registration (signed when ``config`` has a secret), conditional
+    on its endpoint still being the registered one. Raises :class:`BootstrapError` (the
+    caller, closing, only logs it); a secret file that cannot be read is one too."""
+    try:
+        key = bootstrap_key(config)
+    except SecretError as e:
+        raise BootstrapRejected(f"deregister {rec.where()}: {e}", status=None) from e
+    deregister(url, rec, retries=1, timeout=2.0, key=key)
+
+
+def bootstrap_key(config: SessionConfig) -> bytes | None:
+    """The key that signs bootstrap requests: derived from ``config.secret_file``, or
+    None without one. Raises :class:`SecretError` for a file it cannot use."""
+    if not config.secret_file:
+        return None
+    return Secret.load(config.secret_file).key(PURPOSE_BOOTSTRAP)
 
 
 def _stale_endpoint(e: RegistrationConflict) -> str | None:
