@@ -9,7 +9,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvhandoff-installed
 
 .PHONY: demo test lint typecheck unit bench-planner bench-session bench-transport venv system-deps engines clean \
-	vllm-venv demo-vllm
+	vllm-venv demo-vllm sweep soak test-stress
 
 venv: $(STAMP)
 
@@ -114,6 +114,13 @@ engines: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/kvhandoff demo
 
+# Every causal-LM family transformers ships, as a tiny model: handed off in process (TP 2→1,
+# 1→2), refused at start-up, or not buildable here. Prints the table, keeps it as JSON and
+# regenerates the README's model list (tests/e2e/test_family_sweep.py checks it is current).
+SWEEP_JSON ?= family-sweep.json
+sweep: $(STAMP)
+	$(BIN)/kvhandoff sweep --json $(SWEEP_JSON) --readme README.md
+
 # KvhandoffConnector and vLLM's NixlConnector in real vLLM servers (.venv-vllm), one table.
 demo-vllm: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/kvhandoff demo-vllm
@@ -128,6 +135,19 @@ typecheck: $(STAMP)
 
 unit: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q
+
+# The fault, conformance and end-to-end suites (the vLLM servers aside) STRESS_RUNS times in
+# a row while CPU hogs keep every core busy: no test may lean on an idle machine.
+STRESS_RUNS ?= 3
+test-stress: $(STAMP)
+	$(BIN)/python -m kvhandoff.testing.hogs --runs $(STRESS_RUNS) -- \
+	  $(BIN)/python -m pytest -q -p no:cacheprovider tests/faults tests/conformance tests/e2e \
+	  --ignore=tests/e2e/test_vllm.py --ignore=tests/e2e/test_vllm_worker.py
+
+# The chaos soak (README "Soak"): SOAK_MINUTES=60 for an hour.
+SOAK_MINUTES ?= 3
+soak: $(STAMP)
+	$(BIN)/kvhandoff soak --minutes $(SOAK_MINUTES) --json soak.json
 
 bench-planner: $(STAMP)
 	$(BIN)/python benchmarks/planner.py

@@ -45,10 +45,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_timeout_arguments(demo)  # --bootstrap-timeout …: both workers' SessionConfig
 
     boot = sub.add_parser("bootstrap", help="run the bootstrap (rendezvous) server")
-    boot.add_argument("--host", default="0.0.0.0", help="address to bind (default 0.0.0.0)")
+    boot.add_argument("--host", default="127.0.0.1",
+                      help="address to bind (default 127.0.0.1; any other address needs "
+                           "--secret-file or --insecure)")
     boot.add_argument("--port", type=int, default=8998, help="port to bind (default 8998)")
+    boot.add_argument("--secret-file", default=None, metavar="PATH",
+                      help="the deployment secret (mode 0600; default $KVHANDOFF_SECRET_FILE): "
+                           "registering and deregistering must then be signed with it")
+    boot.add_argument("--insecure", action="store_true",
+                      help="serve a non-loopback address without a secret (anyone who can "
+                           "reach it can replace any rank)")
 
     sub.add_parser("transports", help="list the transports, whether each is usable here and why")
+
+    from kvhandoff.soak.cli import add_arguments as add_soak_arguments
+
+    soak = sub.add_parser(
+        "soak", help="a chaos soak: kill, freeze, abort and corrupt while handing off",
+        description="Run 2 prefill (TP 2) and 2 decode (TP 1) worker processes of a hybrid "
+                    "layout and a bootstrap server, hand requests over every usable "
+                    "transport while processes are killed and restarted, frozen, requests "
+                    "aborted and source bytes flipped; check that no wrong byte is reported "
+                    "as success, every request ends in time, nothing leaks and memory stays "
+                    "bounded. Prints progress and a summary, writes JSON; exits 1 on a "
+                    "broken invariant.")
+    add_soak_arguments(soak)
 
     bench = sub.add_parser("bench", help="run a benchmark; prints a table, writes JSON and a PNG")
     bench.add_argument("name", choices=BENCHMARKS, help="which benchmark")
@@ -72,6 +93,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     proxy.add_argument("--max-body-bytes", type=int, default=64 * 2**20,
                        help="largest request body and buffered answer (default 64 MiB)")
 
+    sweep = sub.add_parser(
+        "sweep", help="hand off a tiny model of every causal-LM family transformers ships",
+        description="For every causal-LM model type of the installed transformers, build a "
+                    "tiny random-weight model and hand it off in process (TP 2→1 and 1→2), "
+                    "or record why it is refused at start-up or cannot be built here; print "
+                    "the table and optionally regenerate the README's model list.")
+    sweep.add_argument("--family", action="append", metavar="TYPE",
+                       help="sweep only this model type (repeat for several; default: every "
+                            "causal-LM model type of the installed transformers)")
+    sweep.add_argument("--json", metavar="PATH", help="write the table as JSON")
+    sweep.add_argument("--from-json", metavar="PATH",
+                       help="do not run: reload a table written by --json")
+    sweep.add_argument("--readme", metavar="PATH",
+                       help="replace the generated model list in this README with the table")
+
     from kvhandoff.integrations.vllm_demo import add_arguments as add_demo_vllm_arguments
 
     demo_vllm = sub.add_parser(
@@ -81,6 +117,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "prompts through kvhandoff vllm-proxy, and compare bytes, transfer time, "
                     "TTFT and tokens against a local run.")
     add_demo_vllm_arguments(demo_vllm)
+
+    trace = sub.add_parser(
+        "trace", help="draw requests of a KVHANDOFF_TRACE file as a timeline PNG",
+        description="Read the JSON lines a run wrote with KVHANDOFF_TRACE=FILE and draw "
+                    "each request's phases on one time axis.")
+    trace.add_argument("file", help="the trace file")
+    trace.add_argument("--out", default=None, help="PNG to write (default FILE.png)")
+    trace.add_argument("--request", action="append", default=None,
+                       help="only this request id (repeatable; default: every request)")
 
     args = parser.parse_args(argv)
     if args.version:
@@ -92,6 +137,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvhandoff.demo import run_demo
 
         return run_demo(args)
+    if args.command == "sweep":
+        from kvhandoff.engine.sweep_cli import run_main as run_sweep
+
+        return run_sweep(args)
     if args.command == "bench":
         import importlib
 
@@ -101,15 +150,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print("\n".join(describe_transports()))
         return 0
-    if args.command == "bootstrap":
-        from kvhandoff.session.bootstrap import serve
+    if args.command == "soak":
+        from kvhandoff.soak.cli import run as run_soak
 
-        return serve(args.host, args.port)
+        return run_soak(args)
+    if args.command == "bootstrap":
+        from kvhandoff.session.bootstrap import main as bootstrap_main
+
+        return bootstrap_main(args.host, args.port, secret_file=args.secret_file,
+                              insecure=args.insecure)
     if args.command == "vllm-proxy":
         from kvhandoff.integrations.vllm_proxy import serve as serve_proxy
 
         return serve_proxy(args.prefill, args.decode, host=args.host, port=args.port,
                            timeout=args.timeout, max_body_bytes=args.max_body_bytes)
+    if args.command == "trace":
+        from kvhandoff.observe.trace import main as trace_main
+
+        return trace_main(args.file, args.out, args.request)
     if args.command == "demo-vllm":
         from kvhandoff.integrations.vllm_demo import run_main as run_demo_vllm
 
