@@ -36,6 +36,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                       help="greedy tokens per request (default 16)")
     demo.add_argument("--chunk", type=int, default=16, help="prefill chunk tokens (default 16)")
     demo.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    demo.add_argument("--trace", metavar="PATH",
+                      help="keep the requests' trace here (JSON lines; `kvhandoff trace PATH` "
+                           "draws it; default: $KVHANDOFF_TRACE, else a temporary file)")
     demo.add_argument("--corrupt", metavar="COMPONENT", help=argparse.SUPPRESS)  # tests only
     demo.add_argument("--layout-only", action="store_true",
                       help="the in-memory, layouts-only check (no model, no processes)")

@@ -28,9 +28,9 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvhandoff.demo_worker import (
     LEAKS,
@@ -45,6 +45,8 @@ from kvhandoff.demo_worker import (
     prompt_plan,
 )
 from kvhandoff.layout_demo import human_size
+from kvhandoff.observe.trace import ENV as TRACE_ENV
+from kvhandoff.observe.trace import read as read_trace
 
 if TYPE_CHECKING:
     from kvhandoff.session.bootstrap import BootstrapServer
@@ -93,6 +95,8 @@ class Outcome:
 
     rows: list[Row]
     leaks: dict[str, int]  # e.g. {"decode pages": 3}; empty when every pool is free
+    # per request id, per side, each phase in ms (from the trace; prefill: slowest rank)
+    phases: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -112,6 +116,7 @@ class Options:
     chunk: int = 16
     corrupt: str | None = None
     session: dict[str, float] = field(default_factory=dict)  # SessionConfig overrides (flags)
+    trace: str = ""  # where to keep the trace ("": $KVHANDOFF_TRACE, else a temporary file)
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -134,7 +139,7 @@ def run_demo(args: argparse.Namespace) -> int:
     opts = Options(model=args.model or DEFAULT_MODEL, prefill_tp=args.prefill_tp,
                    decode_tp=args.decode_tp, transport=args.transport, requests=args.requests,
                    max_new_tokens=args.max_new_tokens, chunk=args.chunk, corrupt=args.corrupt,
-                   session=session)
+                   session=session, trace=args.trace or "")
     t0 = time.perf_counter()
     print(header(opts), flush=True)
     try:
@@ -143,6 +148,10 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"demo failed: {e}", file=sys.stderr)
         return 2
     print(render(out.rows, time.perf_counter() - t0, out.leaks))
+    if out.phases:
+        print(render_phases(out.phases))
+    if opts.trace:
+        print(f"trace: {opts.trace} (draw it with `kvhandoff trace {opts.trace}`)")
     if args.json:
         write_json(args.json, opts, out)
     return 0 if out.ok else 1
@@ -166,17 +175,33 @@ def run(opts: Options, progress: Callable[[Row], None] | None = None) -> Outcome
 
     with tempfile.TemporaryDirectory(prefix="kvhandoff-demo-") as tmp:
         secret_file = write_secret_file(os.path.join(tmp, "secret"))
-        return _run(opts, BootstrapServer(secret=Secret.load(secret_file)), secret_file,
-                    progress)
+        trace = opts.trace or os.environ.get(TRACE_ENV) or os.path.join(tmp, "trace.jsonl")
+        out = _run(opts, BootstrapServer(secret=Secret.load(secret_file)), secret_file,
+                   trace, progress)
+        if os.path.exists(trace):
+            out = replace(out, phases=phases_by_request(read_trace(trace)))
+        return out
 
 
-def _run(opts: Options, server: BootstrapServer, secret_file: str,
+def phases_by_request(lines: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
+    """Trace lines → request id → side → phase → ms; a side's ranks give their slowest."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for line in lines:
+        if line["outcome"] != "success":
+            continue
+        side = out.setdefault(str(line["request"]), {}).setdefault(line["role"], {})
+        for phase, s in line["phases"].items():
+            side[phase] = max(side.get(phase, 0.0), 1e3 * float(s))
+    return out
+
+
+def _run(opts: Options, server: BootstrapServer, secret_file: str, trace: str,
          progress: Callable[[Row], None] | None) -> Outcome:
     with server as srv:
         spec = WorkerSpec(model=opts.model, tp=opts.prefill_tp, chunk=opts.chunk,
                           bootstrap_url=srv.url, transport=opts.transport,
                           requests=opts.requests, max_new_tokens=opts.max_new_tokens,
-                          session=dict(opts.session), secret_file=secret_file)
+                          session=dict(opts.session), secret_file=secret_file, trace=trace)
         d_spec = WorkerSpec(**(asdict(spec) | {"tp": opts.decode_tp, "corrupt": opts.corrupt}))
         with _worker(prefill_main, spec) as (pre, ready), _worker(decode_main, d_spec) as (
                 dec, _):
@@ -295,6 +320,24 @@ def render(rows: list[Row], wall_s: float, leaks: dict[str, int] | None = None) 
                  f"({wall_s:.1f} s)")
     lines += [f"  request {r.rid}: {_why(r)}" for r in bad]
     lines.append(leak_line(leaks or {}))
+    return "\n".join(lines)
+
+
+def render_phases(phases: dict[str, dict[str, dict[str, float]]]) -> str:
+    """Each request's phases in ms, from the request's own timeline on every rank (a
+    side's slowest rank)."""
+    from kvhandoff.observe.timeline import PHASES
+
+    cols = [(role, p) for role in ("prefill", "decode") for p, _, _ in PHASES[role]]
+    head = f"{'req':>3} " + " ".join(f"{role[0] + '.' + p:>{max(len(p), 7) + 2}}"
+                                     for role, p in cols)
+    lines = ["phases, ms (p.: prefill, its slowest rank; d.: decode):", head]
+    for rid in sorted(phases, key=lambda r: (len(r), r)):
+        sides = phases[rid]
+        cells = [sides.get(role, {}).get(p) for role, p in cols]
+        lines.append(f"{rid:>3} " + " ".join(
+            f"  {'-' if v is None else f'{v:.2f}':>{max(len(p), 7)}}"
+            for (_, p), v in zip(cols, cells, strict=True)))
     return "\n".join(lines)
 
 

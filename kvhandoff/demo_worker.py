@@ -50,6 +50,7 @@ class WorkerSpec:
     corrupt: str | None = None  # decode only: flip one received byte of this component
     session: dict[str, float] = field(default_factory=dict)  # SessionConfig overrides
     secret_file: str = ""  # the deployment secret the demo made ("": none)
+    trace: str = ""  # append each request's trace line here ("": as the environment says)
 
 
 def session_config(spec: WorkerSpec) -> SessionConfig:
@@ -60,6 +61,8 @@ def session_config(spec: WorkerSpec) -> SessionConfig:
     overrides: dict[str, float | str] = dict(spec.session)
     if spec.secret_file:
         overrides["secret_file"] = spec.secret_file
+    if spec.trace:
+        overrides["trace"] = spec.trace
     cfg = SessionConfig.from_env(**overrides)  # raises, naming the problem, before any agent
     os.environ.update(env_of(overrides))
     return cfg

@@ -18,8 +18,8 @@ SMALL = ["demo", "--model", "qwen3_next", "--prefill-tp", "2", "--decode-tp", "1
 
 def test_demo_hands_off_and_matches_colocated(capsys: pytest.CaptureFixture[str],
                                               tmp_path: object) -> None:
-    out = f"{tmp_path}/demo.json"
-    assert cli.main([*SMALL, "--json", out]) == 0
+    out, trace = f"{tmp_path}/demo.json", f"{tmp_path}/trace.jsonl"
+    assert cli.main([*SMALL, "--json", out, "--trace", trace]) == 0
     text = capsys.readouterr().out
     assert "prefill TP 2 → decode TP 1 over tcp" in text
     assert text.count("tokens equal ✓") == 2 and "2/2 requests" in text and "✗" not in text
@@ -27,6 +27,15 @@ def test_demo_hands_off_and_matches_colocated(capsys: pytest.CaptureFixture[str]
     with open(out) as f:
         data = json.load(f)
     assert data["ok"] is True and data["leaks"] == {}
+    # the per-phase table: one line per request, every phase of both sides measured
+    table = text.split("phases, ms")[1].splitlines()[2:4]
+    assert [line.split()[0] for line in table] == ["0", "1"]
+    assert all("-" not in line.split()[1:] for line in table), table
+    # the trace: each request on both prefill ranks and the decode rank
+    with open(trace) as f:
+        sides = sorted((json.loads(line)["request"], json.loads(line)["rank"]) for line in f)
+    assert sides == [(r, rank) for r in ("0", "1")
+                     for rank in ("decode-tp0", "prefill-tp0", "prefill-tp1")]
 
 
 def test_demo_hands_off_a_local_all_sliding_window_checkpoint(
