@@ -121,6 +121,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "TTFT and tokens against a local run.")
     add_demo_vllm_arguments(demo_vllm)
 
+    status = sub.add_parser(
+        "status", help="a live view of a deployment: its bootstrap's instances and agents",
+        description="Show the bootstrap server's instances and ranks and, from the agents' "
+                    "metrics endpoints, their live requests and failures; refreshes.")
+    status.add_argument("bootstrap", help="the bootstrap server (host:port or URL)")
+    status.add_argument("--agent", action="append", default=[], metavar="URL",
+                        help="also show this agent's metrics endpoint (repeatable; decode "
+                             "agents register nowhere, so name them here)")
+    status.add_argument("--interval", type=float, default=2.0, help="seconds between views")
+    status.add_argument("--count", type=int, default=None, help="stop after this many views")
+    status.add_argument("--json", action="store_true", help="print one snapshot as JSON")
+
     trace = sub.add_parser(
         "trace", help="draw requests of a KVHANDOFF_TRACE file as a timeline PNG",
         description="Read the JSON lines a run wrote with KVHANDOFF_TRACE=FILE and draw "
@@ -167,6 +179,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return serve_proxy(args.prefill, args.decode, host=args.host, port=args.port,
                            timeout=args.timeout, max_body_bytes=args.max_body_bytes)
+    if args.command == "status":
+        from kvhandoff.observe.status import main as status_main
+
+        return status_main(args.bootstrap, args.agent, interval=args.interval,
+                           count=args.count, as_json=args.json)
     if args.command == "trace":
         from kvhandoff.observe.trace import main as trace_main
 

@@ -15,7 +15,8 @@ from prometheus_client.registry import Collector
 
 from kvhandoff.session.bootstrap_client import Health
 
-ROUTES = frozenset({"/v1/register", "/v1/instances/{instance}", "/health", "/metrics"})
+ROUTES = frozenset({"/v1/register", "/v1/instances", "/v1/instances/{instance}", "/health",
+                    "/metrics"})
 
 
 class _RegistryGauges(Collector):

@@ -60,6 +60,8 @@ from kvhandoff.session.bootstrap_client import (
     ErrorBody,
     Health,
     InstanceInfo,
+    InstanceList,
+    InstanceSummary,
     NotReady,
     RankId,
     RankRecord,
@@ -293,6 +295,14 @@ class Registry:
                         missing=missing[: self.limits.max_missing_listed],
                         missing_count=len(missing))
 
+    def instances(self) -> InstanceList:
+        """Every instance with its readiness (bounded: at most ``max_instances``)."""
+        with self._lock:
+            return InstanceList(instances=[
+                InstanceSummary(instance=name, ready=i.ready, registered=len(i.ranks),
+                                expected=i.expected, transport=i.first.transport)
+                for name, i in sorted(self._instances.items())])
+
     def health(self) -> Health:
         with self._lock:
             insts = list(self._instances.values())
@@ -509,6 +519,10 @@ async def _lookup(request: web.Request) -> web.Response:
     return _json(503 if isinstance(answer, NotReady) else 200, answer)
 
 
+async def _instances(request: web.Request) -> web.Response:
+    return _json(200, request.app[REGISTRY].instances())
+
+
 async def _health(request: web.Request) -> web.Response:
     return _json(200, request.app[REGISTRY].health())
 
@@ -533,6 +547,7 @@ def make_app(registry: Registry | None = None, *, secret: Secret | None = None
         app[VERIFIER] = Verifier(secret.key(PURPOSE_BOOTSTRAP))
     app.router.add_post("/v1/register", _register)
     app.router.add_delete("/v1/register", _deregister)
+    app.router.add_get("/v1/instances", _instances)
     app.router.add_get("/v1/instances/{instance}", _lookup)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)

@@ -199,6 +199,21 @@ class NotReady(msgspec.Struct, frozen=True, kw_only=True):
     missing_count: int
 
 
+class InstanceSummary(msgspec.Struct, frozen=True, kw_only=True):
+    """One instance in ``GET /v1/instances`` (for status views; lookups use the
+    per-instance route)."""
+
+    instance: str
+    ready: bool
+    registered: int
+    expected: int
+    transport: str
+
+
+class InstanceList(msgspec.Struct, frozen=True, kw_only=True):
+    instances: list[InstanceSummary]  # sorted by name; at most Limits.max_instances
+
+
 class Health(msgspec.Struct, frozen=True, kw_only=True):
     ok: bool
     protocol_version: int
