@@ -59,17 +59,27 @@ class KvCursor:
         self.by_rows = src_page != dst_page or dst_first_row != 0
         self.seen = 0  # pages handed to next() so far
 
+    def _why_rows(self) -> str:
+        """Why this chunking moves token rows: page sizes differ, or decode's list starts
+        mid-page (its ``first_row``)."""
+        if self.ps != self.pd:
+            return f"page sizes differ (prefill {self.ps}, decode {self.pd})"
+        return (f"decode's index list starts at token row {self.fr0} (its first_row), not "
+                f"at a page boundary")
+
     def problem(self) -> str | None:
         """Why this chunking cannot work (page counts, prefix alignment), or None."""
         c, n = self.component, len(self.dst)
         if self.by_rows:
+            why = self._why_rows()
             if not self.repageable:
-                return (f"component {c!r}: prefill pages hold {self.ps} tokens, decode pages "
-                        f"{self.pd}, and some of its tensors cannot be re-paged by token "
-                        f"rows; run both sides with the same page size")
+                return (f"component {c!r}: {why}, and some of its tensors cannot be re-paged "
+                        f"by token rows; " + ("run both sides with the same page size"
+                                              if self.ps != self.pd else
+                                              "decode must start at row 0 of a page"))
             if self.num_tokens is None:
-                return (f"component {c!r}: page sizes differ (prefill {self.ps}, decode "
-                        f"{self.pd}), so Sender.init needs num_tokens to move token rows")
+                return (f"component {c!r}: {why}, so Sender.init needs num_tokens to move "
+                        f"token rows")
             if self.prefix > self.num_tokens:
                 return (f"decode prefix of {self.prefix} tokens exceeds the request's "
                         f"{self.num_tokens} tokens")

@@ -56,8 +56,10 @@ from kvhandoff.protocol import (
     decode_message,
     encode_message,
 )
+from kvhandoff.transport.throttle import Throttle
 
 log = logging.getLogger("kvhandoff.session.control")
+_malformed = Throttle(log)  # junk is counted in stats; logged at most every 10 s
 
 _BATCH = 256  # messages read from one socket per wake-up, so no socket starves the others
 _HWM = 100_000
@@ -353,7 +355,7 @@ class ControlChannel:
 
     def _reject(self, origin: Origin, reason: str) -> None:
         self.stats["malformed"] += 1
-        log.warning("malformed control message from %s: %s", origin, reason)
+        _malformed("malformed control message from %s: %s", origin, reason[:200])
         if origin.identity is not None:  # never answer a reply: no error ping-pong
             self._push(("router", origin.identity,
                         encode_message(ErrorReply(reason=reason[:4000]))))

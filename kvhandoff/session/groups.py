@@ -48,6 +48,7 @@ from kvhandoff.session.errors import BootstrapFailed, HandshakeError, SessionErr
 from kvhandoff.session.ranks import bootstrap_peers
 
 _POLL_S = (0.02, 0.5)  # bootstrap lookup retry interval: first, and cap
+_STOP_POLL_S = 0.1  # how soon a handshake wait notices the agent closing
 
 
 class GroupState(enum.StrEnum):
@@ -251,12 +252,14 @@ class PrefillGroups:
         for ep in endpoints:
             self._send(ep, self._hello)
         with group._cond:
-            for _ in range(len(endpoints) + 64):  # each wake-up is a reply, a stop or time out
-                missing = [ep for ep in endpoints if ep not in group._replies]
+            # until the deadline (bootstrap_timeout): a reply notifies at once, a stop is
+            # seen within _STOP_POLL_S
+            while (any(ep not in group._replies for ep in endpoints)
+                   and not self._stop.is_set()):
                 left = deadline - time.monotonic()
-                if not missing or left <= 0 or self._stop.is_set():
+                if left <= 0:
                     break
-                group._cond.wait(min(left, 0.1))
+                group._cond.wait(min(left, _STOP_POLL_S))
             replies = dict(group._replies)
         if self._stop.is_set():
             raise BootstrapFailed(f"instance {info.instance!r}: the agent closed during the "

@@ -8,6 +8,16 @@ has a Sender waits in a buffer (indices: up to ``indices_timeout``, at most
 ``max_pending_inits`` requests); a request that failed here is remembered as a
 tombstone for as long, so late indices or aborts for it are answered.
 
+Control messages are not authenticated, so nothing a peer sends may grow without bound
+or push out what a real request left: a request id over ``MAX_ID_BYTES`` is refused;
+buffered indices are capped in bytes (``MAX_INIT_BYTES``) and to one set per request and
+decode rank (a repeat is ignored, as a live Sender does); an abort's reason is cut to
+``MAX_REASON`` characters. Tombstones of requests that had a Sender here are kept apart
+from those an ``Abort`` for an id unknown here creates (at most ``MAX_EARLY_ABORTS``,
+oldest forgotten first), so a flood of aborts cannot evict a real one and the
+``unsafe`` endpoints it remembers. Only a handshaken decode rank is ever dialed: an
+answer to anyone else goes back on the connection it came from.
+
 The agent owns the sockets, threads and liveness and hands the desk every control
 message it does not handle itself; the desk reaches the agent through the same
 :class:`~kvhandoff.session.host.RankHost` its Senders use, plus the control channel (to
@@ -40,7 +50,7 @@ from kvhandoff.protocol import (
     TransferStatus,
     encode_notice,
 )
-from kvhandoff.session.bootstrap_client import BootstrapError, RankRecord, deregister
+from kvhandoff.session.bootstrap_client import BootstrapError, RankRecord
 from kvhandoff.session.control import ControlChannel, Origin
 from kvhandoff.session.errors import (
     AgentClosed,
@@ -49,14 +59,24 @@ from kvhandoff.session.errors import (
     SessionError,
 )
 from kvhandoff.session.host import Backlog, RankHost, Request
-from kvhandoff.session.peers import DecodePeer, DecodePeers
-from kvhandoff.session.registration import Probe, register_rank
+from kvhandoff.session.peers import PEER_IDLE_S, DecodePeer, DecodePeers
+from kvhandoff.session.registration import Probe, deregister_rank, register_rank
 from kvhandoff.session.sender import Sender
 from kvhandoff.transport.base import MAX_NOTICE
+from kvhandoff.transport.throttle import Throttle
 
 log = logging.getLogger("kvhandoff.session.agent")  # the agent's voice: one logger per agent
 
-_MAX_TOMBSTONES = 65536
+_MAX_TOMBSTONES = 65536  # requests that failed here (only local Senders make these)
+MAX_EARLY_ABORTS = 4096
+"""Aborts remembered for request ids with no Sender here (anyone can send these)."""
+MAX_ID_BYTES = 1024
+"""A request id longer than this (a ``str``'s UTF-8 bytes) is refused."""
+MAX_REASON = 4096
+"""Characters of an abort's reason that are kept."""
+MAX_INIT_BYTES = 256 << 20
+"""Bytes of index lists buffered for requests with no Sender yet, in all."""
+_throttled = Throttle(log)
 
 
 class _Tomb(NamedTuple):
@@ -71,6 +91,20 @@ class _Tomb(NamedTuple):
         return PeerLost(self.reason) if self.lost else RequestAborted(self.reason)
 
 
+def id_problem(rid: RequestId) -> str | None:
+    """Why a request id from the wire is refused (too long to keep), or None."""
+    if isinstance(rid, str) and len(rid) * 4 > MAX_ID_BYTES and \
+            len(rid.encode(errors="replace")) > MAX_ID_BYTES:
+        return f"request id of {len(rid.encode(errors='replace'))} B (at most {MAX_ID_BYTES} B)"
+    return None
+
+
+def init_bytes(msg: TransferInit) -> int:
+    """Bytes a buffered TransferInit holds in index lists (what its sender controls)."""
+    return sum(len(m.items) + len(m.positions or b"") for m in msg.indices.values()
+               if m is not None)
+
+
 class PrefillDesk:
     """See the module docstring."""
 
@@ -83,8 +117,11 @@ class PrefillDesk:
         self.senders: dict[RequestId, Sender] = {}
         self._inits: collections.OrderedDict[RequestId, list[tuple[str, TransferInit, float]]] = \
             collections.OrderedDict()
+        self._init_bytes = 0  # what the buffered index lists hold
         self._tombstones: collections.OrderedDict[RequestId, _Tomb] = \
             collections.OrderedDict()
+        self._early: collections.OrderedDict[RequestId, _Tomb] = \
+            collections.OrderedDict()  # aborts for ids no Sender here had
         self._record: RankRecord | None = None
         self._url: str | None = None
         self.peers = DecodePeers(layout=host.layout, transport=host.transport,
@@ -108,7 +145,7 @@ class PrefillDesk:
         """Deregister from the bootstrap server (once; a failure is only logged)."""
         if self._record is not None and self._url is not None:
             try:
-                deregister(self._url, self._record, retries=1, timeout=2.0)
+                deregister_rank(self._url, self._record, config=self._host.config)
             except BootstrapError as e:
                 log.warning("deregistering %s failed: %s", self._host.rank_id, e)
             self._record = None
@@ -127,8 +164,10 @@ class PrefillDesk:
             if side.request_id in self.senders:
                 raise ValueError(f"request id {side.request_id!r} is already live on this agent")
             self.senders[side.request_id] = side
-            buffered = self._inits.pop(side.request_id, [])
+            buffered = self._take_inits(side.request_id)
             tomb = self._tombstones.pop(side.request_id, None)
+            early = self._early.pop(side.request_id, None)
+            tomb = tomb or early
         ready: list[tuple[DecodePeer | str, TransferInit]] = []
         for ep, m, _ in buffered:
             p = self.peers.get(ep)
@@ -168,10 +207,54 @@ class PrefillDesk:
         """Remember a failed request for a while, so late indices or aborts for it are
         answered; ``unsafe``: decode endpoints a cancelled write may still reach, never
         told "no write in flight" (caller holds the lock)."""
-        self._tombstones[rid] = _Tomb(reason, time.monotonic() + self._host.config.indices_timeout,
+        self._early.pop(rid, None)
+        self._tombstones[rid] = _Tomb(reason[:MAX_REASON],
+                                      time.monotonic() + self._host.config.indices_timeout,
                                       unsafe, lost)
         while len(self._tombstones) > _MAX_TOMBSTONES:
             self._tombstones.popitem(last=False)
+
+    def _early_abort(self, rid: RequestId, reason: str) -> None:
+        """Remember an abort for a request with no Sender here, in its own bounded table
+        (caller holds the lock)."""
+        self._early[rid] = _Tomb(reason[:MAX_REASON],
+                                 time.monotonic() + self._host.config.indices_timeout,
+                                 frozenset())
+        while len(self._early) > MAX_EARLY_ABORTS:
+            self._early.popitem(last=False)
+
+    def _tomb(self, rid: RequestId) -> _Tomb | None:
+        """The tombstone of ``rid``, from either table (caller holds the lock)."""
+        tomb = self._tombstones.get(rid)
+        return tomb if tomb is not None else self._early.get(rid)
+
+    def _take_inits(self, rid: RequestId) -> list[tuple[str, TransferInit, float]]:
+        """Remove and return the indices buffered for ``rid`` (caller holds the lock)."""
+        got = self._inits.pop(rid, [])
+        self._init_bytes -= sum(init_bytes(m) for _, m, _ in got)
+        return got
+
+    def _buffer(self, endpoint: str, msg: TransferInit, now: float) -> str | None:
+        """Buffer indices that arrived before their Sender; why not, if refused (None
+        also when this rank already sent a set: the first one stands, as a live Sender
+        keeps it). Caller holds the lock."""
+        rid, cfg = msg.request_id, self._host.config
+        entries = self._inits.get(rid)
+        if entries is None and len(self._inits) >= cfg.max_pending_inits:
+            return (f"prefill {self._host.rank_id} holds {cfg.max_pending_inits} requests' "
+                    f"indices with no Sender yet (max_pending_inits); refused")
+        if entries is not None and any(ep == endpoint for ep, _, _ in entries):
+            _throttled("request %r: decode %s sent its indices again before the Sender "
+                       "started; the first set stands", rid, msg.rank)
+            return None
+        size = init_bytes(msg)
+        if self._init_bytes + size > MAX_INIT_BYTES:
+            return (f"prefill {self._host.rank_id} buffers {self._init_bytes} B of indices "
+                    f"with no Sender yet; {size} B more would pass MAX_INIT_BYTES "
+                    f"({MAX_INIT_BYTES} B); refused")
+        self._inits.setdefault(rid, []).append((endpoint, msg, now))
+        self._init_bytes += size
+        return None
 
     # --- control messages (I/O thread) ----------------------------------------------------
 
@@ -179,9 +262,10 @@ class PrefillDesk:
         """Handle a message the agent passed on; False when a prefill rank takes none
         such."""
         match msg:
+            case Hello() if origin.endpoint is None:
+                self._control.reply(origin, self.peers.refuse_unnamed(msg))
             case Hello():
-                peers = self.peers
-                self._host.spawn(lambda: peers.answer(origin.endpoint, msg))
+                self.peers.offer(origin.endpoint, msg)
             case TransferInit():
                 self._on_init(origin, msg)
             case Abort():
@@ -209,18 +293,19 @@ class PrefillDesk:
             if sender is not None and origin.endpoint is not None:
                 sender.on_init_deferred(origin.endpoint)
             return
+        bad = id_problem(msg.request_id)
+        if bad is not None:
+            self._control.reply(origin, ErrorReply(reason=f"TransferInit refused: {bad}"))
+            return
+        self.peers.touch(peer.endpoint)
         now = time.monotonic()
-        full = False
+        full: str | None = None
         with self._lock:
             sender = self.senders.get(msg.request_id)
-            tomb = self._tombstones.get(msg.request_id)
+            tomb = self._tomb(msg.request_id)
             if sender is None and tomb is None:
-                if len(self._inits) >= host.config.max_pending_inits and \
-                        msg.request_id not in self._inits:
-                    full = True
-                else:
-                    self._inits.setdefault(msg.request_id, []).append((peer.endpoint, msg, now))
-        if peer.transport_peer.closed and tomb is None and not full:
+                full = self._buffer(peer.endpoint, msg, now)
+        if peer.transport_peer.closed and tomb is None and full is None:
             # its data connection broke: re-dial now; a Sender still to come gets the
             # buffered indices with the fresh peer (or re-dials itself, see above)
             host.spawn(functools.partial(self._redialed, peer, msg, deliver=sender is not None))
@@ -232,11 +317,8 @@ class PrefillDesk:
                 outcome=Outcome.FAILED, reason=tomb.reason))
             if peer.endpoint not in tomb.unsafe:
                 host.post(peer.endpoint, AbortAck(request_id=msg.request_id, rank=host.rank_id))
-        elif full:
-            self._control.reply(origin, ErrorReply(
-                reason=f"prefill {host.rank_id} holds {host.config.max_pending_inits} requests' "
-                       f"indices with no Sender yet (max_pending_inits); refused",
-                request_id=msg.request_id))
+        elif full is not None:
+            self._control.reply(origin, ErrorReply(reason=full, request_id=msg.request_id))
 
     def _redialed(self, peer: DecodePeer, msg: TransferInit, *, deliver: bool) -> None:
         """Re-dial ``peer``'s broken data connection (a worker thread), then hand ``msg``
@@ -247,7 +329,7 @@ class PrefillDesk:
             sender = self.senders.get(msg.request_id)
             if not deliver:
                 if isinstance(got, str) and sender is None:
-                    self._inits.pop(msg.request_id, None)
+                    self._take_inits(msg.request_id)
                     self._tombstone(msg.request_id, got, lost=True)  # its Sender fails on arrival
                 return  # else the Sender's own attach re-dials (or finds the fresh peer)
         if sender is None:
@@ -258,35 +340,57 @@ class PrefillDesk:
             sender.on_init(got, msg)
 
     def _on_abort(self, origin: Origin, msg: Abort) -> None:
+        bad = id_problem(msg.request_id)
+        if bad is not None:
+            _throttled("agent %s: ignored an Abort from %s: %s", self._name, origin, bad)
+            self._control.reply(origin, ErrorReply(reason=f"Abort refused: {bad}"))
+            return
+        reason = msg.reason[:MAX_REASON]
         with self._lock:
             s = self.senders.get(msg.request_id)
-            tomb = self._tombstones.get(msg.request_id)
+            tomb = self._tomb(msg.request_id)
             if s is None and tomb is None:
-                self._inits.pop(msg.request_id, None)
-                self._tombstone(msg.request_id, f"aborted by decode {msg.rank}: {msg.reason}")
+                self._take_inits(msg.request_id)
+                self._early_abort(msg.request_id, f"aborted by decode {msg.rank}: {reason}")
         if s is not None:
-            s.on_abort(origin.endpoint, str(msg.rank), msg.reason)
+            s.on_abort(origin.endpoint, str(msg.rank), reason)
         elif tomb is not None and origin.endpoint in tomb.unsafe:
             log.info("request %r: decode %s aborted; a cancelled write to it may still land, "
                      "so no AbortAck (it waits out its release_timeout)", msg.request_id,
                      msg.rank)
         else:  # no Sender, or its writes to this rank are all over
             ack = AbortAck(request_id=msg.request_id, rank=self._host.rank_id)
-            if origin.endpoint is not None:
-                self._host.post(origin.endpoint, ack)
+            if origin.endpoint is not None and self.peers.get(origin.endpoint) is not None:
+                self._host.post(origin.endpoint, ack)  # dial handshaken ranks only
             else:
                 self._control.reply(origin, ack)
 
     # --- timers, lost peers, closing --------------------------------------------------------
 
     def on_tick(self, now: float) -> None:
-        """Forget expired tombstones and indices no Sender came for (I/O thread)."""
+        """Forget expired tombstones and indices no Sender came for, and drop decode
+        ranks idle for ``PEER_IDLE_S`` (on a worker: closing one joins its threads)
+        (I/O thread)."""
         limit = self._host.config.indices_timeout
         with self._lock:
-            for rid in [k for k, t in self._tombstones.items() if t.expires < now]:
-                del self._tombstones[rid]
+            for table in (self._tombstones, self._early):
+                for rid in [k for k, t in table.items() if t.expires < now]:
+                    del table[rid]
             for rid in [k for k, v in self._inits.items() if now - v[0][2] > limit]:
-                del self._inits[rid]
+                self._take_inits(rid)
+            live = [*self.senders.values()]
+            busy = {ep for entries in self._inits.values() for ep, _, _ in entries}
+        for sender in live:
+            busy |= sender.peer_endpoints()
+        for ep in self.peers.idle(now, busy):
+            self._host.spawn(functools.partial(self._drop_idle, ep))
+
+    def _drop_idle(self, endpoint: str) -> None:
+        """Drop a decode rank nothing used for ``PEER_IDLE_S`` (a worker thread)."""
+        why = f"decode rank at {endpoint} idle for over {PEER_IDLE_S:g} s (PEER_IDLE_S)"
+        if self.peers.drop(endpoint, reason=why) is not None:
+            log.info("agent %s: %s; dropped (it handshakes again if it comes back)",
+                     self._name, why)
 
     def peer_lost(self, endpoint: str, reason: str) -> None:
         """Drop the decode rank at ``endpoint`` (after its requests heard of it)."""
@@ -304,4 +408,5 @@ class PrefillDesk:
         with self._lock:
             self.senders.clear()
             self._inits.clear()
+            self._init_bytes = 0
 

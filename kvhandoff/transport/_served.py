@@ -3,6 +3,7 @@
 * :class:`ThreadedServer`: one thread accepts on a listening socket, one thread serves
   each connection; nothing that arrives on the wire can raise out of a serving thread
   (it is logged and the connection dropped); ``close`` wakes and joins every thread.
+  Strangers cannot stop the accept loop or hold the port: see the class docstring.
 * :class:`WorkerPeer`: a peer whose transfers are carried by worker threads. It tracks
   the pending transfers, turns whatever ends a worker into one error for all of them
   (``PeerLost`` for the wire, ``TransportClosed`` for ``close``), and joins its threads.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import errno
 import logging
 import socket
 import threading
@@ -33,6 +35,7 @@ from kvhandoff.transport.errors import (
 )
 from kvhandoff.transport.tcp_io import recv_exact, recv_header
 from kvhandoff.transport.tcp_wire import Header, Kind
+from kvhandoff.transport.throttle import Throttle
 
 log = logging.getLogger("kvhandoff.transport")
 
@@ -41,17 +44,44 @@ P = TypeVar("P", bound="WorkerPeer")
 JOIN_S = 5.0
 """How long ``close`` waits for each worker thread (they exit once their socket is shut)."""
 
+MAX_UNPROVEN = 256
+"""Connections a server holds that have not shown the endpoint's token yet, in all."""
+MAX_UNPROVEN_PER_HOST = 64
+"""... and from one source address."""
+MAX_PER_HOST = 1024
+"""Connections a server holds from one source address, proven or not."""
+HELLO_DEADLINE_S = 10.0
+"""An unproven connection is cut this long after it was accepted."""
+_REAP_S = 1.0  # how often the accept loop looks for overdue unproven connections
+_BACKOFF_S = (0.01, 1.0)  # retrying a failed accept: first wait, and cap
+_DEAD_LISTENER = frozenset({errno.EBADF, errno.EINVAL, errno.ENOTSOCK})
+_accept_failed = Throttle(log)
+_refused = Throttle(log)
+_malformed = Throttle(log)
+
 
 class ThreadedServer(abc.ABC):
     """Accepts on ``listener`` (already bound and listening) and calls :meth:`serve` for
-    each connection in its own daemon thread. ``close`` is thread-safe and idempotent."""
+    each connection in its own daemon thread. ``close`` is thread-safe and idempotent.
+
+    Hostile clients cannot take the port down or hold it: a failed ``accept`` (out of
+    file descriptors, say) is logged (rate-limited) and retried with backoff, never the
+    end of the loop; a connection stays *unproven* until :meth:`greeted` says it showed
+    the endpoint's token, and unproven connections are capped (``MAX_UNPROVEN`` in all,
+    ``MAX_UNPROVEN_PER_HOST`` per source address) and cut after ``HELLO_DEADLINE_S``
+    seconds, however slowly they trickle bytes; all connections from one address are
+    capped at ``MAX_PER_HOST``. A connection over a cap is closed at once."""
 
     def __init__(self, listener: socket.socket, name: str) -> None:
         self.name = name
         self._lock = threading.Lock()
         self._closing = False
+        self._wake = threading.Event()
         self._conns: dict[socket.socket, threading.Thread] = {}
+        self._hosts: dict[socket.socket, str] = {}
+        self._unproven: dict[socket.socket, float] = {}  # → when accepted (monotonic)
         self._listener = listener
+        listener.settimeout(_REAP_S)  # accept wakes up to cut overdue unproven connections
         self._accepter = threading.Thread(target=self._accept_loop, daemon=True,
                                           name=f"kvh-{name}-accept")
         self._accepter.start()
@@ -60,36 +90,89 @@ class ThreadedServer(abc.ABC):
     def serve(self, conn: socket.socket) -> None:
         """Serve one connection until it ends (return or raise; the socket is closed
         afterwards). ``OSError``/``EOFError`` end it quietly, ``ProtocolError`` with a
-        warning, anything else with a logged traceback."""
+        warning, anything else with a logged traceback. Call :meth:`greeted` once the
+        client proved it holds the endpoint's token."""
+
+    def greeted(self, conn: socket.socket) -> None:
+        """``conn`` proved the token: no longer subject to the unproven caps and deadline."""
+        with self._lock:
+            self._unproven.pop(conn, None)
 
     def _accept_loop(self) -> None:
-        while True:
+        backoff = _BACKOFF_S[0]
+        while not self._closing:
             try:
-                conn, _addr = self._listener.accept()
-            except OSError:
-                return  # listener shut down by close()
-            with self._lock:
-                if self._closing:
-                    conn.close()
-                    return
-                t = threading.Thread(target=self._serve, args=(conn,), daemon=True,
-                                     name=f"kvh-{self.name}-serve")
-                self._conns[conn] = t
-            t.start()
+                conn, addr = self._listener.accept()
+            except TimeoutError:
+                self._reap(time.monotonic())
+                continue
+            except OSError as e:
+                if self._closing or e.errno in _DEAD_LISTENER:
+                    return  # listener shut down by close()
+                _accept_failed("%s server: accept failed (%s); retrying in %.2f s, still "
+                               "listening", self.name, e, backoff)
+                self._wake.wait(backoff)
+                backoff = min(backoff * 2, _BACKOFF_S[1])
+                continue
+            backoff = _BACKOFF_S[0]
+            self._admit(conn, addr[0] if isinstance(addr, tuple) and addr else "local")
+            self._reap(time.monotonic())
+
+    def _admit(self, conn: socket.socket, host: str) -> None:
+        """Start serving ``conn`` from ``host``, or close it if it is over a cap."""
+        with self._lock:
+            over = self._over_cap(host)
+            if self._closing or over:
+                conn.close()
+                if over:
+                    _refused("%s server: refused a connection from %s: %s", self.name, host,
+                             over)
+                return
+            t = threading.Thread(target=self._serve, args=(conn,), daemon=True,
+                                 name=f"kvh-{self.name}-serve")
+            self._conns[conn] = t
+            self._hosts[conn] = host
+            self._unproven[conn] = time.monotonic()
+        t.start()
+
+    def _over_cap(self, host: str) -> str | None:
+        """Which cap a new connection from ``host`` would break (caller holds the lock)."""
+        if len(self._unproven) >= MAX_UNPROVEN:
+            return f"{MAX_UNPROVEN} connections have not shown the token yet"
+        here = [c for c, h in self._hosts.items() if h == host]
+        if len(here) >= MAX_PER_HOST:
+            return f"it holds {MAX_PER_HOST} connections already"
+        if sum(c in self._unproven for c in here) >= MAX_UNPROVEN_PER_HOST:
+            return f"{MAX_UNPROVEN_PER_HOST} of its connections have not shown the token yet"
+        return None
+
+    def _reap(self, now: float) -> None:
+        """Cut unproven connections older than ``HELLO_DEADLINE_S`` (their serving
+        threads wake, see the socket shut and end)."""
+        with self._lock:
+            late = [c for c, t0 in self._unproven.items() if now - t0 > HELLO_DEADLINE_S]
+            for c in late:
+                del self._unproven[c]
+        for c in late:
+            _refused("%s server: cut a connection that showed no token within %g s",
+                     self.name, HELLO_DEADLINE_S)
+            shut(c)
 
     def _serve(self, conn: socket.socket) -> None:
         try:
             self.serve(conn)
         except (OSError, EOFError) as e:
             log.debug("%s server: connection ended: %s", self.name, e)
-        except ProtocolError as e:
-            log.warning("%s server: dropping connection after a malformed frame: %s",
-                        self.name, e)
+        except ProtocolError as e:  # strangers can send these at will: rate-limited
+            _malformed("%s server: dropping connection after a malformed frame: %s",
+                       self.name, e)
         except Exception:  # never let a serving thread die silently
             log.exception("%s server: internal error; connection dropped", self.name)
         finally:
             with self._lock:
                 self._conns.pop(conn, None)
+                self._hosts.pop(conn, None)
+                self._unproven.pop(conn, None)
             conn.close()
 
     @property
@@ -102,6 +185,7 @@ class ThreadedServer(abc.ABC):
                 return
             self._closing = True
             conns = dict(self._conns)
+        self._wake.set()
         with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)  # wakes accept() on Linux
         self._listener.close()

@@ -59,6 +59,7 @@ class ShmServer(ThreadedServer):
                     _reply(conn, h.seq, Status.BAD_TOKEN, b"endpoint token does not match")
                     raise ProtocolError("HELLO with a wrong token")
                 greeted = True
+                self.greeted(conn)
                 self._send_arenas(conn, h.seq)
             elif h.kind is Kind.WRITE and greeted:  # COMMIT: the sender finished a copy
                 _reply(conn, h.seq, Status.OK, b"")

@@ -92,6 +92,7 @@ from kvhandoff.transport.tcp_wire import (
     Records,
     Status,
     reply_error,
+    unproven_problem,
 )
 from kvhandoff.transport.views import as_rows, piece_view, take_into, unit_contiguous
 
@@ -302,6 +303,9 @@ class _ServedLink:
                 h = Header.unpack(hdr)
                 if h.payload_len:
                     raise ProtocolError("staging control frames carry no payload")
+                early = unproven_problem(h, greeted=self.greeted)
+                if early is not None:
+                    raise ProtocolError(early)
             except ProtocolError as e:
                 self.reply(0, Status.MALFORMED, str(e))
                 raise
@@ -327,6 +331,7 @@ class _ServedLink:
             self.reply(seq, Status.BAD_TOKEN, "endpoint token does not match this transport")
             raise ProtocolError("staging HELLO with a wrong token")
         self.greeted = True
+        self.server.greeted(self.sock)
         arena = self.server.arena
         self.lease.extend(arena.lease(self.server.slots_per_peer))
         self.reply(seq, Status.OK, json.dumps({

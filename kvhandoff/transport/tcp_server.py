@@ -2,7 +2,9 @@
 
 One thread accepts; one thread serves each connection, frame after frame:
 
-    HELLO  → check the token (the endpoint's secret) → REPLY OK | BAD_TOKEN (and close)
+    HELLO  → check the token (the endpoint's secret) → REPLY OK | BAD_TOKEN (and close);
+             before it, any other frame, or a HELLO over ``MAX_HELLO`` bytes, is
+             refused from its header alone (nothing a stranger announces is allocated)
     WRITE  → decode records → check payload size → check every record against the
              registered regions → refused: drain the payload, REPLY OUT_OF_BOUNDS
              (nothing written, no notice) → else scatter the payload → deliver the
@@ -36,6 +38,7 @@ from kvhandoff.transport.tcp_wire import (
     Records,
     Status,
     split_notice,
+    unproven_problem,
 )
 
 
@@ -81,6 +84,9 @@ class _Connection:
                 continue  # idle: wake every io_timeout to notice close()
             try:
                 h = Header.unpack(self.hdr)
+                early = unproven_problem(h, greeted=self.greeted)
+                if early is not None:
+                    raise ProtocolError(early)
             except ProtocolError as e:
                 self.reply(0, Status.MALFORMED, str(e))
                 raise
@@ -100,6 +106,7 @@ class _Connection:
             self.reply(h.seq, Status.BAD_TOKEN, "endpoint token does not match this transport")
             raise ProtocolError("HELLO with a wrong token")
         self.greeted = True
+        self.server.greeted(self.sock)
         self.reply(h.seq, Status.OK)
 
     def write(self, h: Header, desc: bytearray) -> None:

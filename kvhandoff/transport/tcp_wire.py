@@ -52,6 +52,7 @@ NO_RECORDS = struct.pack("<q", 0)
 MAX_DESC = 64 << 20  # larger descriptions or payloads are malformed: they bound what
 MAX_PAYLOAD = 1 << 32  # a hostile frame can make a receiver allocate or wait for
 MAX_RECORDS = 1 << 22
+MAX_HELLO = 256  # a HELLO's description (a token) is at most this long
 _FIELDS = 7
 _FEW = 64  # record tables up to this size are bounds-checked without vectorising
 _LIMIT = float(1 << 62)  # any address arithmetic beyond this is refused, never wrapped
@@ -101,6 +102,21 @@ def split_notice(desc: bytearray) -> tuple[bytes, memoryview]:
     if end > len(desc):
         raise ProtocolError(f"notice of {n} B does not fit a {len(desc)} B description")
     return bytes(desc[_NOTICE_LEN.size:end]), memoryview(desc)[end:]
+
+
+def unproven_problem(h: Header, *, greeted: bool) -> str | None:
+    """Why frame ``h`` may not be read from a connection that has not shown the
+    endpoint's token yet (``greeted`` False), or None. Checked on the header alone, so
+    nothing a stranger announces is allocated: before its HELLO a connection may send
+    only a HELLO of at most ``MAX_HELLO`` bytes and no payload."""
+    if greeted:
+        return None
+    if h.kind is not Kind.HELLO:
+        return f"unexpected {h.kind.name} frame before HELLO"
+    if h.desc_len > MAX_HELLO or h.payload_len:
+        return (f"HELLO announces {h.desc_len} B of token and {h.payload_len} B of payload; "
+                f"a HELLO carries at most {MAX_HELLO} B and no payload")
+    return None
 
 
 class Header(NamedTuple):
@@ -154,9 +170,13 @@ class Records:
 
     @property
     def nbytes(self) -> int:
-        """Payload bytes the records describe."""
+        """Payload bytes the records describe; ProtocolError if that is 2**62 or more
+        (hostile counts must not wrap around int64 to a small number)."""
         n_idx = np.diff(self.bounds)
-        return int((n_idx * self.fields[:, 3] * self.fields[:, 4]).sum())
+        length, count = self.fields[:, 3], self.fields[:, 4]
+        if float((n_idx.astype(np.float64) * length * count).sum()) >= _LIMIT:
+            raise ProtocolError("records describe 2**62 payload bytes or more")
+        return int((n_idx * length * count).sum())
 
     def record(self, r: int) -> tuple[int, int, int, int, int, int, I64]:
         ptr, unit, off, length, count, stride = self.fields[r].tolist()

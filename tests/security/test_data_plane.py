@@ -1,0 +1,133 @@
+"""Strangers on the tcp data port (and the staging control port) cannot make a
+receiver allocate, hold connections, or kill the accept loop; a legitimate handoff
+before and after each attack is byte-exact (findings H4, H5, L3)."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from rig_fixtures import bootstrap, instance, no_leaked_threads, rig
+
+from kvhandoff.testing.hostile import closed_by_peer, data_port, exact, frame, read_reply
+from kvhandoff.testing.rig import Rig
+from kvhandoff.transport import _served, staging
+from kvhandoff.transport.errors import ProtocolError
+from kvhandoff.transport.regions import RegionTable
+from kvhandoff.transport.tcp_wire import MAX_DESC, Kind, Records, Status
+
+FIXTURES = (bootstrap, instance, no_leaked_threads, rig)  # from rig_fixtures, for pytest
+VICTIM = Path(__file__).with_name("emfile_victim.py")
+
+
+def _dial(host: str, port: int, timeout: float = 10.0) -> socket.socket:
+    s = socket.create_connection((host, port), timeout=timeout)
+    s.settimeout(timeout)
+    return s
+
+
+@pytest.mark.parametrize("kind", [Kind.HELLO, Kind.WRITE])
+def test_a_huge_description_before_hello_is_refused_from_its_header(rig: Rig,
+                                                                    kind: Kind) -> None:
+    rig.handoff(rig.plan(1))
+    host, port, _ = data_port(rig.decode)
+    with _dial(host, port) as s:
+        s.sendall(frame(kind, b"x", desc_len=MAX_DESC))  # 64 MiB announced, 1 B sent
+        reply = read_reply(s)  # before the fix: the server allocates and waits for 64 MiB
+        assert reply is not None and reply[0] is Status.MALFORMED, reply
+        assert "HELLO" in reply[1]
+        assert closed_by_peer(s)
+    rig.handoff(rig.plan(2, block=2))
+    assert exact(rig, [rig.plan(1), rig.plan(2, block=2)]) == []
+
+
+def test_staging_refuses_a_huge_hello_before_allocating() -> None:
+    arena = staging.Arena(2, 4096)
+    server = staging.StagingServer(host="127.0.0.1", token=b"t" * 32, arena=arena,
+                                   slots_per_peer=1, table=RegionTable,
+                                   io_timeout=10.0, quarantine=1.0)
+    try:
+        with _dial(server.host, server.port) as s:
+            s.sendall(frame(Kind.HELLO, b"x", desc_len=MAX_DESC))
+            reply = read_reply(s)
+            assert reply is not None and reply[0] is Status.MALFORMED, reply
+        with _dial(server.host, server.port) as s:  # the real token still works
+            s.sendall(frame(Kind.HELLO, b"t" * 32))
+            reply = read_reply(s)
+            assert reply is not None and reply[0] is Status.OK, reply
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def tight_caps(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setattr(_served, "MAX_UNPROVEN_PER_HOST", 4)
+    monkeypatch.setattr(_served, "HELLO_DEADLINE_S", 0.5)
+    yield
+
+
+def test_silent_connections_are_capped_and_cut(rig: Rig, tight_caps: None) -> None:
+    rig.handoff(rig.plan(1))
+    host, port, _ = data_port(rig.decode)
+    idle = [_dial(host, port) for _ in range(4)]
+    try:
+        with _dial(host, port) as extra:  # over MAX_UNPROVEN_PER_HOST: closed at once
+            assert closed_by_peer(extra)
+        for s in idle:  # never showed the token: cut after HELLO_DEADLINE_S
+            assert closed_by_peer(s)
+    finally:
+        for s in idle:
+            s.close()
+    rig.restart_prefill()  # a fresh prefill transport dials new data connections
+    rig.handoff(rig.plan(2, block=2))
+    assert exact(rig, [rig.plan(1), rig.plan(2, block=2)]) == []
+
+
+def test_a_record_count_that_wraps_int64_is_malformed(rig: Rig) -> None:
+    rig.handoff(rig.plan(1))
+    host, port, token = data_port(rig.decode)
+    ptr = int(rig.darena.bufs[0].ctypes.data)  # 1 × 4096 B × 2**52 rows = 2**64 B
+    table = struct.pack("<q7qq", 1, ptr, 0, 0, 4096, 1 << 52, 0, 1, 0)
+    with _dial(host, port) as s:
+        s.sendall(frame(Kind.HELLO, token))
+        assert read_reply(s) == (Status.OK, "")
+        s.sendall(frame(Kind.WRITE, table, payload_len=0))
+        reply = read_reply(s)  # before the fix: nbytes wrapped to 0, then a traceback
+        assert reply is not None and reply[0] is Status.MALFORMED, reply
+        assert "2**62" in reply[1]
+    with pytest.raises(ProtocolError):
+        _ = Records.decode(table).nbytes
+    rig.handoff(rig.plan(2, block=2))
+    assert exact(rig, [rig.plan(1), rig.plan(2, block=2)]) == []
+
+
+def test_the_accept_loop_survives_running_out_of_descriptors() -> None:
+    """A subprocess (its own RLIMIT_NOFILE) runs a rig, uses up its descriptors, and
+    we connect to its decode's data port: accept fails with EMFILE. Once descriptors
+    are free again, a restarted prefill must still reach that port."""
+    proc = subprocess.Popen([sys.executable, str(VICTIM)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    conns: list[socket.socket] = []
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        line = proc.stdout.readline().split()
+        assert line[:1] == ["HOGGED"], (line, proc.stderr.read() if proc.stderr else "")
+        host, port = line[1], int(line[2])
+        conns = [_dial(host, port) for _ in range(3)]  # accept() now fails: EMFILE
+        proc.stdin.write("CONNECTED\n")
+        proc.stdin.flush()
+        out, err = proc.communicate(timeout=60)
+        assert "ACCEPT-SURVIVED" in out, (out, err[-3000:])
+        assert proc.returncode == 0, (out, err[-3000:])
+    finally:
+        for c in conns:
+            c.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
