@@ -46,12 +46,15 @@ def serve_process_metrics(port: int, host: str = "127.0.0.1") -> int:
         return _served
 
 
-def metrics_url() -> str | None:
-    """Where this process serves its metrics (``http://host:port/metrics``), or None."""
+def metrics_url(dial_host: str | None = None) -> str | None:
+    """Where this process serves its metrics (``http://host:port/metrics``), or None;
+    ``dial_host``: the address others reach this host by, when it listens on a wildcard."""
     with _lock:
         if _served is None:
             return None
-        host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1"}.get(_served_host, _served_host)
+        host = _served_host
+        if host in ("0.0.0.0", "", "*"):
+            host = dial_host or "127.0.0.1"
         return f"http://{host}:{_served}/metrics"
 
 

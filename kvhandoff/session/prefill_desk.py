@@ -36,6 +36,7 @@ import threading
 import time
 from typing import NamedTuple
 
+from kvhandoff.observe.report import metrics_url
 from kvhandoff.protocol import (
     Abort,
     AbortAck,
@@ -91,6 +92,13 @@ class _Tomb(NamedTuple):
         return PeerLost(self.reason) if self.lost else RequestAborted(self.reason)
 
 
+def _published(dial_host: str) -> dict[str, str]:
+    """What a rank tells the bootstrap beyond its record: where its process serves its
+    metrics, when it does (for ``kvhandoff status``)."""
+    url = metrics_url(dial_host)
+    return {"metrics": url} if url else {}
+
+
 def id_problem(rid: RequestId) -> str | None:
     """Why a request id from the wire is refused (too long to keep), or None."""
     if isinstance(rid, str) and len(rid) * 4 > MAX_ID_BYTES and \
@@ -137,7 +145,8 @@ class PrefillDesk:
                          tp_size=lay.tp_size, tp_rank=lay.tp_rank, pp_size=lay.pp_size,
                          pp_rank=lay.pp_rank, control_endpoint=self._control.endpoint,
                          transport=self._host.transport.name,
-                         model_signature=lay.model_signature)
+                         model_signature=lay.model_signature,
+                         metadata=_published(cfg.dial_host))
         register_rank(url, rec, config=cfg, probe=probe, what=f"prefill {self._host.rank_id}")
         self._record, self._url = rec, url
 

@@ -36,7 +36,7 @@ def test_status_shows_instances_ranks_and_what_the_agents_did() -> None:
             rig.close()
     (inst,) = second.instances
     assert (inst.name, inst.ready, inst.registered, inst.expected) == ("status-view", True, 1, 1)
-    assert [r.endpoint for r in inst.ranks] == [rig.prefill.endpoint]
+    assert [(r.endpoint, r.metrics) for r in inst.ranks] == [(rig.prefill.endpoint, url)]
     agent, gone = second.agents
     assert agent.ok and not gone.ok and "9" in gone.url
     before = next(a for a in first.agents if a.url == url)
