@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Mapping
 from typing import Protocol
 
 from kvhandoff.observe.metrics import AgentMetrics, HandoffMetrics, serve
@@ -74,6 +75,10 @@ class Finished(Protocol):
     def failure(self) -> str | None:
         """The error class name, or None after a success."""
 
+    @property
+    def events(self) -> Mapping[str, int]:
+        """Notable events (:data:`~kvhandoff.observe.metrics.EVENTS`)."""
+
 
 class Reporter:
     """One agent's reporting: ``role``, ``transport`` and ``rank`` label what it reports."""
@@ -88,7 +93,8 @@ class Reporter:
     def finished(self, side: Finished) -> None:
         reason = side.failure
         if self.metrics is not None:
-            self.metrics.finished(side.timeline, nbytes=side.nbytes, reason=reason)
+            self.metrics.finished(side.timeline, nbytes=side.nbytes, reason=reason,
+                                  events=side.events)
         if self.trace is not None:
             try:
                 self.trace.write(role=self.role, request=side.request_id, rank=self.rank,

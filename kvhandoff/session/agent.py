@@ -62,7 +62,7 @@ from kvhandoff.session.config import SessionConfig
 from kvhandoff.session.control import ControlChannel, Origin
 from kvhandoff.session.decode_desk import DecodeDesk
 from kvhandoff.session.errors import AgentClosed, SessionError
-from kvhandoff.session.groups import PrefillGroups
+from kvhandoff.session.groups import GroupState, PrefillGroups
 from kvhandoff.session.host import Backlog, Request
 from kvhandoff.session.host import Role as Role  # re-exported: its historical home
 from kvhandoff.session.memory import TensorViews
@@ -109,6 +109,7 @@ class Agent:
         self._control: ControlChannel | None = None
         self._desk: PrefillDesk | DecodeDesk | None = None
         metrics = process_metrics()
+        metrics.watch(self)
         self._live = metrics.live.labels(self.role.value)
         self._report = Reporter(role=self.role.value, transport=self.config.transport,
                                 rank=self.name, metrics=metrics if self.config.metrics else None,
@@ -217,6 +218,9 @@ class Agent:
         out["live_requests"] = self.live_requests
         out["decode_peers"] = len(desk.peers) if isinstance(desk, PrefillDesk) else 0
         out["in_band_statuses"] = desk.in_band if isinstance(desk, DecodeDesk) else 0
+        out["prefill_peers"] = sum(len(g.ranks) for g in desk.groups.groups()
+                                   if g.state is GroupState.READY) \
+            if isinstance(desk, DecodeDesk) else 0
         out["suspect_peers"] = self._watch.suspects  # a write to them was lost; being probed
         return out
 

@@ -28,7 +28,7 @@ deadlock.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import NamedTuple, Protocol
 
 from kvhandoff.layout import Layout, TensorSpec
@@ -80,6 +80,10 @@ class Request(Protocol):
 
     @property
     def nbytes(self) -> int: ...
+
+    @property
+    def events(self) -> Mapping[str, int]:
+        """Notable events while it ran ("rehandshake", "refused_write", …), for reports."""
 
     def on_tick(self, now: float) -> None:
         """Timers: fail what waited too long (the control I/O thread, every tick)."""

@@ -150,7 +150,7 @@ class Receiver(RequestSide):
         self._released = threading.Event()
         self._release_reason = ""
         self._release_deadline: float | None = None
-        self._rehandshakes = 0
+        self.events["rehandshake"] = 0
         self._resend: set[str] = set()  # prefill ranks to send the indices again, once handshaken
         agent.attach(self)
         self._find_group()
@@ -352,12 +352,12 @@ class Receiver(RequestSide):
             group = self._group
             if w is None or group is None or self._init is None or self._sm.terminal:
                 return
-            if w.chunks or self._rehandshakes >= _MAX_REHANDSHAKES:
-                again = f" (after {self._rehandshakes} new handshake(s))" \
-                    if self._rehandshakes else ""
+            done = self.events["rehandshake"]
+            if w.chunks or done >= _MAX_REHANDSHAKES:
+                again = f" (after {done} new handshake(s))" if done else ""
                 self.on_rejected(endpoint, reason + again)
                 return
-            self._rehandshakes += 1
+            self.events["rehandshake"] += 1
             self._resend.add(endpoint)
             group = self.agent.groups.get(group.key)  # the agent dropped the stale one
             self._group = group
@@ -466,6 +466,7 @@ class Receiver(RequestSide):
         with self._lock:
             w.verifying -= 1
             if problem is not None:
+                self.events["checksum_mismatch"] += 1
                 self._fail(problem)
             else:
                 self._maybe_succeed()

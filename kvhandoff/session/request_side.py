@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 
 from kvhandoff.observe.timeline import Timeline
 from kvhandoff.protocol import RequestId
@@ -34,6 +35,8 @@ class RequestSide:
         self._error: SessionError | None = None
         self.timeline = Timeline()  # when this request reached each event on this rank
         self.nbytes = 0  # bytes this rank's side has seen land (written / reported written)
+        # notable events, for reports: "rehandshake", "refused_write", "checksum_mismatch"
+        self.events: Counter[str] = Counter()
         self._created = time.monotonic()
 
     def __repr__(self) -> str:

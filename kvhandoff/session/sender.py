@@ -46,7 +46,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from kvhandoff.errors import HandoffError, LayoutMismatch
+from kvhandoff.errors import HandoffError, LayoutMismatch, RemoteOutOfBounds
 from kvhandoff.observe import timeline as tl
 from kvhandoff.plan import Indices, Plan, plan
 from kvhandoff.plan.request import IndexArray, as_indices
@@ -501,6 +501,8 @@ class Sender(RequestSide):
         self._settle.inflight -= 1
         self._settle.poisoned |= timed_out
         if err is not None:
+            if isinstance(err, RemoteOutOfBounds):
+                self.events["refused_write"] += 1
             kind = PeerLost if isinstance(err, PeerLost) else TransferFailed
             self.agent.write_failed(t.peer)
             self._fail(kind(f"request {self.request_id!r} chunk {status.chunk} to decode "

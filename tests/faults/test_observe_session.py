@@ -64,6 +64,10 @@ def test_handoffs_move_the_metrics_and_write_traces(tmp_path: Path) -> None:
                      transport="tcp") > 0
     assert delta(before, after, "kvhandoff_transfer_gbps_count", transport="tcp") == 1
     assert after[("kvhandoff_live_requests", frozenset({("role", "decode")}))] == 0
+    # read from the live agents at the scrape: the rig's prefill knew its decode rank and
+    # decode its prefill rank (other tests' agents may be alive in this process too)
+    for role in ("prefill", "decode"):
+        assert after[("kvhandoff_peers", frozenset({("role", role)}))] >= 1
     rows = trace.read(path)
     assert sorted((r["request"], r["role"], r["outcome"]) for r in rows) == [
         ("gone-2", "decode", "failed"), ("gone-2", "prefill", "failed"),

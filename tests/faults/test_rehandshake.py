@@ -24,8 +24,11 @@ def test_a_restarted_prefill_is_handshaken_again_transparently(
         before = rig.prefill.endpoint
         rig.restart_prefill()
         assert rig.prefill.endpoint == before  # same rank, same address: a restart
+        counts = []
         for rid in (2, 3):  # the first meets the forgotten handshake; both succeed
-            rig.handoff(rig.plan(rid, block=rid))
+            _, r = rig.handoff(rig.plan(rid, block=rid))
+            counts.append(r.events["rehandshake"])
+        assert counts == [1, 0]  # what the metrics count as kvhandoff_rehandshakes
         assert rig.decode.stats.get("handler_errors", 0) == 0
         assert len(rig.prefill._peers or ()) == 1  # the decode rank handshook again
         forgot = [m for m in caplog.messages if "forgot our handshake" in m]

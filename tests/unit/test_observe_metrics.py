@@ -3,6 +3,7 @@ the right amounts with bounded labels."""
 
 from __future__ import annotations
 
+import gc
 import itertools
 import urllib.error
 import urllib.request
@@ -12,7 +13,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvhandoff.observe import timeline as tl
-from kvhandoff.observe.metrics import MAX_PEERS, OTHER, HandoffMetrics
+from kvhandoff.observe.metrics import HandoffMetrics
 from kvhandoff.session.bootstrap import BootstrapServer
 from kvhandoff.session.bootstrap_client import RankRecord
 
@@ -102,13 +103,47 @@ def test_a_finished_handoff_moves_each_metric_once() -> None:
         1 << 20
 
 
-def test_peer_labels_stay_bounded_under_ten_thousand_peers() -> None:
+def test_label_sets_stay_bounded_under_ten_thousand_requests() -> None:
+    """Request ids never become labels: 10,000 requests of every outcome leave a fixed
+    set of series, and each counts what it should."""
     m = HandoffMetrics()
+    reasons = ["PeerLost", "RequestAborted", "TransferFailed", "ChecksumMismatch"]
     for i in range(10_000):
-        m.rehandshakes.labels("prefill", m.peer(f"decode-{i}")).inc()
+        role = ("prefill", "decode")[i % 2]
+        reason = None if i % 5 else reasons[i // 5 % 4]
+        events = {"rehandshake": 1} if i % 7 == 0 else {}
+        m.finished(role, "tcp", _timeline(role), nbytes=4096, reason=reason, events=events)
     text = generate_latest(m.registry).decode()
-    peers = {dict(labels)["peer"] for (name, labels) in samples(text)
-             if name == "kvhandoff_rehandshakes_total"}
-    assert len(peers) == MAX_PEERS + 1 and OTHER in peers
-    assert value(text, "kvhandoff_rehandshakes_total", role="prefill",
-                 peer=OTHER) == 10_000 - MAX_PEERS
+    series = {(name, labels) for (name, labels) in samples(text)}
+    assert not any(v.startswith("r-") or v.isdigit() for _, labels in series
+                   for _, v in labels if v not in ("1",))
+    assert len(series) < 300, len(series)
+    assert value(text, "kvhandoff_requests_total", role="prefill", transport="tcp",
+                 status="success") == 4000
+    assert value(text, "kvhandoff_rehandshakes_total", role="prefill", transport="tcp") + \
+        value(text, "kvhandoff_rehandshakes_total", role="decode", transport="tcp") == 1429
+
+
+class _Agent:
+    def __init__(self, role: str, stats: dict[str, int]) -> None:
+        self.role, self.stats, self.closed = role, stats, False
+
+
+def test_peer_gauges_sum_the_live_agents_at_scrape_time() -> None:
+    m = HandoffMetrics()
+    p1 = _Agent("prefill", {"decode_peers": 2, "suspect_peers": 1})
+    p2 = _Agent("prefill", {"decode_peers": 3, "suspect_peers": 0})
+    d = _Agent("decode", {"prefill_peers": 4})
+    m.watch(p1)
+    m.watch(p2)
+    m.watch(d)
+    text = generate_latest(m.registry).decode()
+    assert value(text, "kvhandoff_peers", role="prefill") == 5
+    assert value(text, "kvhandoff_suspect_peers", role="prefill") == 1
+    assert value(text, "kvhandoff_peers", role="decode") == 4
+    p2.closed = True
+    del d  # gone: the metrics hold a weak reference only
+    gc.collect()
+    text = generate_latest(m.registry).decode()
+    assert value(text, "kvhandoff_peers", role="prefill") == 2
+    assert value(text, "kvhandoff_peers", role="decode") == 0
