@@ -110,10 +110,19 @@ class HandoffMetrics:
                                      "for landing outside its registered memory", base,
                                      registry=r),
         }
+        self.setup = Histogram("kvhandoff_peer_setup_seconds", "Decode reaching a prefill "
+                               "group, once per group: the bootstrap lookup, then the "
+                               "handshakes with its ranks", ["stage"], buckets=_SECONDS,
+                               registry=r)
         self.live = Gauge("kvhandoff_live_requests", "Requests in flight", ["role"],
                           registry=r)
         self._peers = _PeerGauges()
         r.register(self._peers)
+
+    def peer_setup(self, lookup_s: float, handshake_s: float) -> None:
+        """A decode rank connected a prefill group: its lookup and handshake times."""
+        self.setup.labels("lookup").observe(lookup_s)
+        self.setup.labels("handshake").observe(handshake_s)
 
     def watch(self, agent: Watched) -> None:
         """Read ``agent``'s peer counts at every scrape while it lives (a weak reference)."""

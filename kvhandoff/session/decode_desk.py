@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 
+from kvhandoff.observe.report import process_metrics
 from kvhandoff.protocol import (
     PROTOCOL_VERSION,
     Abort,
@@ -66,7 +67,8 @@ class DecodeDesk:
                       transport_endpoint=transport_endpoint, control_endpoint=control_endpoint,
                       notices=self._router is not None)
         self.groups = PrefillGroups(hello=hello, timeout=cfg.bootstrap_timeout,
-                                    send=host.post, spawn=host.spawn, stop=stop)
+                                    send=host.post, spawn=host.spawn, stop=stop,
+                                    on_setup=process_metrics().peer_setup)
 
     # --- for Receivers (any thread) -------------------------------------------------------
 

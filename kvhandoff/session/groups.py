@@ -140,8 +140,10 @@ class PrefillGroups:
     agent closes (jobs give up at once)."""
 
     def __init__(self, *, hello: Hello, timeout: float, send: Callable[[str, Hello], None],
-                 spawn: Callable[[Callable[[], None]], None], stop: threading.Event) -> None:
+                 spawn: Callable[[Callable[[], None]], None], stop: threading.Event,
+                 on_setup: Callable[[float, float], None] | None = None) -> None:
         self._hello = hello
+        self._on_setup = on_setup  # (lookup s, handshake s) of each group that connected
         self._timeout = timeout
         self._send = send
         self._spawn = spawn
@@ -188,13 +190,18 @@ class PrefillGroups:
     # --- the connect job (worker thread) ---------------------------------------------
 
     def _connect(self, group: PrefillGroup) -> None:
-        deadline = time.monotonic() + self._timeout
+        t0 = time.monotonic()
+        deadline = t0 + self._timeout
         try:
-            ranks = self._handshake(group, self._lookup(group, deadline), deadline)
+            info = self._lookup(group, deadline)
+            t1 = time.monotonic()
+            ranks = self._handshake(group, info, deadline)
         except SessionError as e:
             self._forget(group)
             group._finish(None, e)
             return
+        if self._on_setup is not None:
+            self._on_setup(t1 - t0, time.monotonic() - t1)
         group._finish(ranks, None)
 
     def _forget(self, group: PrefillGroup) -> None:

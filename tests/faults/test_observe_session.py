@@ -63,6 +63,10 @@ def test_handoffs_move_the_metrics_and_write_traces(tmp_path: Path) -> None:
         assert delta(before, after, "kvhandoff_handoff_bytes_sum", role=role,
                      transport="tcp") > 0
     assert delta(before, after, "kvhandoff_transfer_gbps_count", transport="tcp") == 1
+    # the rig's decode connected one prefill group, before the first request
+    for stage in ("lookup", "handshake"):
+        assert after.get(("kvhandoff_peer_setup_seconds_count",
+                          frozenset({("stage", stage)})), 0) >= 1
     assert after[("kvhandoff_live_requests", frozenset({("role", "decode")}))] == 0
     # read from the live agents at the scrape: the rig's prefill knew its decode rank and
     # decode its prefill rank (other tests' agents may be alive in this process too)
