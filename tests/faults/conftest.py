@@ -1,45 +1,7 @@
-"""Fixtures for session fault tests: a bootstrap server that must end empty, fresh
-instance names, the in-process rig (:mod:`kvhandoff.testing.rig`), and a check that no
+"""Fixtures for session fault tests (:mod:`kvhandoff.testing.fixtures`): a bootstrap server
+that must end empty, fresh instance names, the in-process rig, and a check that no
 ``kvh-*`` thread outlives a test."""
 
-from __future__ import annotations
+from kvhandoff.testing.fixtures import bootstrap, instance, no_leaked_threads, rig
 
-import itertools
-import time
-from collections.abc import Iterator
-
-import pytest
-
-from kvhandoff.session.bootstrap import BootstrapServer
-from kvhandoff.testing.rig import Rig, kvh_threads
-
-_names = itertools.count()
-
-
-@pytest.fixture
-def bootstrap() -> Iterator[BootstrapServer]:
-    with BootstrapServer() as srv:
-        yield srv
-        assert srv.registry.health().ranks == 0, "a registration outlived its agent"
-
-
-@pytest.fixture
-def instance() -> str:
-    return f"faults-{next(_names)}"
-
-
-@pytest.fixture(autouse=True)
-def no_leaked_threads() -> Iterator[None]:
-    yield
-    deadline = time.monotonic() + 5
-    while kvh_threads() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert not kvh_threads(), f"threads left running: {kvh_threads()}"
-
-
-@pytest.fixture
-def rig(bootstrap: BootstrapServer, instance: str) -> Iterator[Rig]:
-    r = Rig(bootstrap.url, instance)
-    yield r
-    r.close()
-    assert r.prefill.live_requests == 0 and r.decode.live_requests == 0
+__all__ = ["bootstrap", "instance", "no_leaked_threads", "rig"]

@@ -54,7 +54,7 @@ def test_checksum_names_the_corrupted_component(bootstrap: BootstrapServer, inst
         assert r.wait(10) is Status.FAILED
         assert t.corrupted >= 1
         assert isinstance(r.error, ChecksumMismatch), r.error
-        assert r.events["checksum_mismatch"] == 1  # what the metrics count
+        assert r.events["checksum_mismatch"] >= 1  # what the metrics count (per chunk)
         named = set(re.findall(r"component '(\w+)'", str(r.error)))
         assert named == {component}, r.error  # that component, and no other
         assert r.wait_released(5)

@@ -14,7 +14,6 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import zmq
-from rig_fixtures import bootstrap, instance, no_leaked_threads, rig
 
 from kvhandoff.protocol import (
     Abort,
@@ -32,11 +31,12 @@ from kvhandoff.session import Sender, Status, groups, peers, prefill_desk
 from kvhandoff.session.bootstrap import BootstrapServer
 from kvhandoff.session.chunks import KvCursor
 from kvhandoff.session.prefill_desk import PrefillDesk
+from kvhandoff.testing.fixtures import bootstrap, instance, no_leaked_threads, rig
 from kvhandoff.testing.hostile import Impostor, eventually, exact, hello_as
 from kvhandoff.testing.rig import Rig
 from kvhandoff.transport import Transport, create_transport
 
-FIXTURES = (bootstrap, instance, no_leaked_threads, rig)  # from rig_fixtures, for pytest
+FIXTURES = (bootstrap, instance, no_leaked_threads, rig)  # imported for pytest
 
 
 @pytest.fixture

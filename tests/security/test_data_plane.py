@@ -12,8 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from rig_fixtures import bootstrap, instance, no_leaked_threads, rig
 
+from kvhandoff.testing.fixtures import bootstrap, instance, no_leaked_threads, rig
 from kvhandoff.testing.hostile import closed_by_peer, data_port, exact, frame, read_reply
 from kvhandoff.testing.rig import Rig
 from kvhandoff.transport import _served, staging
@@ -21,7 +21,7 @@ from kvhandoff.transport.errors import ProtocolError
 from kvhandoff.transport.regions import RegionTable
 from kvhandoff.transport.tcp_wire import MAX_DESC, Kind, Records, Status
 
-FIXTURES = (bootstrap, instance, no_leaked_threads, rig)  # from rig_fixtures, for pytest
+FIXTURES = (bootstrap, instance, no_leaked_threads, rig)  # imported for pytest
 VICTIM = Path(__file__).with_name("emfile_victim.py")
 
 

@@ -1,8 +1,7 @@
-"""Fixtures of the hostile-peer tests on a live session (imported by their modules, so
-this directory's ``conftest.py`` stays the bootstrap tests' own): a bootstrap server that
-must end empty, fresh instance names, the in-process rig (:mod:`kvhandoff.testing.rig`)
-and a check that no ``kvh-*`` thread outlives a test. Hostile helpers live in
-:mod:`kvhandoff.testing.hostile`."""
+"""Pytest fixtures of the session-level tests (``tests/faults``, ``tests/security``): a
+bootstrap server that must end empty, fresh instance names, the in-process rig
+(:mod:`kvhandoff.testing.rig`) and a check that no ``kvh-*`` thread outlives a test.
+A ``conftest.py`` or a test module imports the ones it uses."""
 
 from __future__ import annotations
 
@@ -26,8 +25,8 @@ def bootstrap() -> Iterator[BootstrapServer]:
 
 
 @pytest.fixture
-def instance() -> str:
-    return f"security-{next(_names)}"
+def instance(request: pytest.FixtureRequest) -> str:
+    return f"{request.node.path.parent.name}-{next(_names)}"
 
 
 @pytest.fixture(autouse=True)
