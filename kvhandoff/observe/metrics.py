@@ -63,17 +63,23 @@ class _PeerGauges(Collector):
                                   "decode ranks; decode: prefill ranks)", labels=["role"])
         suspects = GaugeMetricFamily("kvhandoff_suspect_peers", "Peers a write to was lost, "
                                      "being probed", labels=["role"])
+        slots = GaugeMetricFamily("kvhandoff_staging_slots_in_use", "Slots of the agents' "
+                                  "staging arenas leased to senders or quarantined",
+                                  labels=["role"])
         totals: dict[str, list[int]] = {}
         for a in agents:
             st = a.stats
-            t = totals.setdefault(str(getattr(a.role, "value", a.role)), [0, 0])
+            t = totals.setdefault(str(getattr(a.role, "value", a.role)), [0, 0, 0])
             t[0] += int(st.get("decode_peers", 0)) + int(st.get("prefill_peers", 0))
             t[1] += int(st.get("suspect_peers", 0))
-        for role, (n, sus) in sorted(totals.items()):
+            t[2] += int(st.get("staging_slots", 0))
+        for role, (n, sus, used) in sorted(totals.items()):
             peers.add_metric([role], n)
             suspects.add_metric([role], sus)
+            slots.add_metric([role], used)
         yield peers
         yield suspects
+        yield slots
 
 
 class HandoffMetrics:

@@ -222,6 +222,8 @@ class Agent:
                                    if g.state is GroupState.READY) \
             if isinstance(desk, DecodeDesk) else 0
         out["suspect_peers"] = self._watch.suspects  # a write to them was lost; being probed
+        t = self._transport
+        out["staging_slots"] = t.staging_slots_in_use if t is not None else 0
         return out
 
     def close(self) -> None:

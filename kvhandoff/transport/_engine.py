@@ -492,6 +492,10 @@ class EngineTransport(Transport):
                                                     np.array([dst], np.int64), one),
                                      nbytes, host_only=True)
 
+    @property
+    def staging_slots_in_use(self) -> int:
+        return self._staging.slots_in_use
+
     def wait(self, handle: Handle, timeout: float) -> TransferState:
         """Block until final or ``timeout``, polling the engine from this thread
         (staged handles complete from the link's threads: just wait)."""

@@ -413,6 +413,12 @@ class Transport(abc.ABC):
         """The handle's state now; never blocks."""
         return handle.state
 
+    @property
+    def staging_slots_in_use(self) -> int:
+        """Slots of this side's staging arena leased to senders or quarantined (0 for a
+        transport that does not stage)."""
+        return 0
+
     def wait(self, handle: Handle, timeout: float) -> TransferState:
         """Block until the handle is final or ``timeout`` seconds pass."""
         return handle.wait(timeout)

@@ -210,6 +210,7 @@ class Arena:
 
     def __init__(self, slots: int, slot_bytes: int) -> None:
         self.slot_bytes = slot_bytes
+        self.slots = slots
         self.buf: U8 = np.zeros(slots * slot_bytes, np.uint8)  # pages appear when touched
         self.base = int(self.buf.ctypes.data)
         self._free: deque[int] = deque(range(slots))
@@ -240,6 +241,12 @@ class Arena:
             while k and self._held[k - 1][0] > until:
                 k -= 1
             self._held.insert(k, (until, held))
+
+    @property
+    def in_use(self) -> int:
+        """Slots leased to senders or quarantined: not free for a new lease."""
+        with self._lock:
+            return self.slots - len(self._free)
 
     @property
     def quarantined(self) -> int:
@@ -670,6 +677,12 @@ class Staging:
         self._arena: Arena | None = None
         self._pool = _Buffers(config.slot_bytes, register)
         self._links: weakref.WeakSet[StagingLink] = weakref.WeakSet()
+
+    @property
+    def slots_in_use(self) -> int:
+        """This side's arena slots leased or quarantined (0 before any peer staged)."""
+        arena = self._arena
+        return arena.in_use if arena is not None else 0
 
     def advertise(self) -> tuple[tuple[str, str], ...]:
         """Endpoint options that let a peer stage into this side (registers the arena

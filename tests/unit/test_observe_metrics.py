@@ -131,7 +131,7 @@ class _Agent:
 
 def test_peer_gauges_sum_the_live_agents_at_scrape_time() -> None:
     m = HandoffMetrics()
-    p1 = _Agent("prefill", {"decode_peers": 2, "suspect_peers": 1})
+    p1 = _Agent("prefill", {"decode_peers": 2, "suspect_peers": 1, "staging_slots": 3})
     p2 = _Agent("prefill", {"decode_peers": 3, "suspect_peers": 0})
     d = _Agent("decode", {"prefill_peers": 4})
     m.watch(p1)
@@ -141,6 +141,7 @@ def test_peer_gauges_sum_the_live_agents_at_scrape_time() -> None:
     assert value(text, "kvhandoff_peers", role="prefill") == 5
     assert value(text, "kvhandoff_suspect_peers", role="prefill") == 1
     assert value(text, "kvhandoff_peers", role="decode") == 4
+    assert value(text, "kvhandoff_staging_slots_in_use", role="prefill") == 3
     p2.closed = True
     del d  # gone: the metrics hold a weak reference only
     gc.collect()
