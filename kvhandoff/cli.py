@@ -36,6 +36,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                       help="greedy tokens per request (default 16)")
     demo.add_argument("--chunk", type=int, default=16, help="prefill chunk tokens (default 16)")
     demo.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    demo.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                      help="serve each worker's Prometheus metrics: prefill on PORT, decode "
+                           "on PORT+1 (0: any free ports); the URLs are printed")
+    demo.add_argument("--hold", type=float, default=0.0, metavar="SECONDS",
+                      help="keep the workers (and their metrics) up this long after the run")
     demo.add_argument("--trace", metavar="PATH",
                       help="keep the requests' trace here (JSON lines; `kvhandoff trace PATH` "
                            "draws it; default: $KVHANDOFF_TRACE, else a temporary file)")

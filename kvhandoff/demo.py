@@ -97,6 +97,8 @@ class Outcome:
     leaks: dict[str, int]  # e.g. {"decode pages": 3}; empty when every pool is free
     # per request id, per side, each phase in ms (from the trace; prefill: slowest rank)
     phases: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+    # per side, its metrics URL and the kvhandoff series it served after the run
+    metrics: dict[str, tuple[str, int]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -117,6 +119,8 @@ class Options:
     corrupt: str | None = None
     session: dict[str, float] = field(default_factory=dict)  # SessionConfig overrides (flags)
     trace: str = ""  # where to keep the trace ("": $KVHANDOFF_TRACE, else a temporary file)
+    metrics_port: int | None = None  # prefill serves its metrics here, decode on the next
+    hold: float = 0.0  # seconds the workers stay up after the run
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -139,7 +143,8 @@ def run_demo(args: argparse.Namespace) -> int:
     opts = Options(model=args.model or DEFAULT_MODEL, prefill_tp=args.prefill_tp,
                    decode_tp=args.decode_tp, transport=args.transport, requests=args.requests,
                    max_new_tokens=args.max_new_tokens, chunk=args.chunk, corrupt=args.corrupt,
-                   session=session, trace=args.trace or "")
+                   session=session, trace=args.trace or "",
+                   metrics_port=args.metrics_port, hold=max(0.0, args.hold))
     t0 = time.perf_counter()
     print(header(opts), flush=True)
     try:
@@ -150,11 +155,14 @@ def run_demo(args: argparse.Namespace) -> int:
     print(render(out.rows, time.perf_counter() - t0, out.leaks))
     if out.phases:
         print(render_phases(out.phases))
+    for side, (url, n) in out.metrics.items():
+        print(f"{side} metrics at {url}: "
+              + (f"{n} kvhandoff series ✓" if n > 0 else "did not answer ✗"))
     if opts.trace:
         print(f"trace: {opts.trace} (draw it with `kvhandoff trace {opts.trace}`)")
     if args.json:
         write_json(args.json, opts, out)
-    return 0 if out.ok else 1
+    return 0 if out.ok and all(n > 0 for _, n in out.metrics.values()) else 1
 
 
 def list_models() -> str:
@@ -198,13 +206,16 @@ def phases_by_request(lines: list[dict[str, Any]]) -> dict[str, dict[str, dict[s
 def _run(opts: Options, server: BootstrapServer, secret_file: str, trace: str,
          progress: Callable[[Row], None] | None) -> Outcome:
     with server as srv:
+        port = opts.metrics_port
         spec = WorkerSpec(model=opts.model, tp=opts.prefill_tp, chunk=opts.chunk,
                           bootstrap_url=srv.url, transport=opts.transport,
                           requests=opts.requests, max_new_tokens=opts.max_new_tokens,
-                          session=dict(opts.session), secret_file=secret_file, trace=trace)
-        d_spec = WorkerSpec(**(asdict(spec) | {"tp": opts.decode_tp, "corrupt": opts.corrupt}))
+                          session=dict(opts.session), secret_file=secret_file, trace=trace,
+                          metrics_port=-1 if port is None else port)
+        d_spec = replace(spec, tp=opts.decode_tp, corrupt=opts.corrupt,
+                         metrics_port=-1 if port is None else port + 1 if port else 0)
         with _worker(prefill_main, spec) as (pre, ready), _worker(decode_main, d_spec) as (
-                dec, _):
+                dec, d_ready):
             prompts = prompt_plan(opts.requests, ready.page_size, opts.chunk, ready.window,
                                   ready.vocab)
             rows = []
@@ -213,7 +224,28 @@ def _run(opts: Options, server: BootstrapServer, secret_file: str, trace: str,
                 rows.append(row)
                 if progress is not None:
                     progress(row)
-            return Outcome(rows, _leaks(pre, "prefill") | _leaks(dec, "decode"))
+            leaks = _leaks(pre, "prefill") | _leaks(dec, "decode")
+            served = {side: scrape_count(url) for side, url in
+                      (("prefill", ready.metrics), ("decode", d_ready.metrics)) if url}
+            if opts.hold:
+                print(f"holding the workers for {opts.hold:g} s: "
+                      + ", ".join(f"{side} {url}" for side, url in
+                                  (("prefill", ready.metrics), ("decode", d_ready.metrics))
+                                  if url), flush=True)
+                time.sleep(opts.hold)
+            return Outcome(rows, leaks, metrics=served)
+
+
+def scrape_count(url: str) -> tuple[str, int]:
+    """``url`` and how many kvhandoff series it serves (-1: it did not answer)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return url, -1
+    return url, sum(1 for line in text.splitlines() if line.startswith("kvhandoff_"))
 
 
 @contextmanager

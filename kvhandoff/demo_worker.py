@@ -51,6 +51,7 @@ class WorkerSpec:
     session: dict[str, float] = field(default_factory=dict)  # SessionConfig overrides
     secret_file: str = ""  # the deployment secret the demo made ("": none)
     trace: str = ""  # append each request's trace line here ("": as the environment says)
+    metrics_port: int = -1  # serve this process's metrics here (0: any free port; -1: no)
 
 
 def session_config(spec: WorkerSpec) -> SessionConfig:
@@ -63,8 +64,14 @@ def session_config(spec: WorkerSpec) -> SessionConfig:
         overrides["secret_file"] = spec.secret_file
     if spec.trace:
         overrides["trace"] = spec.trace
+    if spec.metrics_port >= 0:
+        overrides["metrics_port"] = spec.metrics_port
     cfg = SessionConfig.from_env(**overrides)  # raises, naming the problem, before any agent
     os.environ.update(env_of(overrides))
+    if cfg.metrics_port >= 0:  # now, so Ready can say where (the agents reuse it)
+        from kvhandoff.observe.report import serve_process_metrics
+
+        serve_process_metrics(cfg.metrics_port, cfg.host)
     return cfg
 
 
@@ -76,6 +83,7 @@ class Ready:
     page_size: int
     window: int  # sliding window in tokens (0: none)
     vocab: int
+    metrics: str = ""  # where this process serves its metrics ("": it does not)
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,8 +218,10 @@ def _shape(prep: Prepared, chunk: int) -> tuple[int, int, int, int]:
 
 
 def _ready(prep: Prepared, chunk: int) -> Ready:
+    from kvhandoff.observe.report import metrics_url
+
     _, _, window, vocab = _shape(prep, chunk)
-    return Ready(prep.name, prep.page_size, window, vocab)
+    return Ready(prep.name, prep.page_size, window, vocab, metrics_url() or "")
 
 
 def pool_leaks(inst: Instance, side: str) -> Leaks:

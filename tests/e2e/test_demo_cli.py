@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -19,7 +20,7 @@ SMALL = ["demo", "--model", "qwen3_next", "--prefill-tp", "2", "--decode-tp", "1
 def test_demo_hands_off_and_matches_colocated(capsys: pytest.CaptureFixture[str],
                                               tmp_path: object) -> None:
     out, trace = f"{tmp_path}/demo.json", f"{tmp_path}/trace.jsonl"
-    assert cli.main([*SMALL, "--json", out, "--trace", trace]) == 0
+    assert cli.main([*SMALL, "--json", out, "--trace", trace, "--metrics-port", "0"]) == 0
     text = capsys.readouterr().out
     assert "prefill TP 2 → decode TP 1 over tcp" in text
     assert text.count("tokens equal ✓") == 2 and "2/2 requests" in text and "✗" not in text
@@ -36,6 +37,11 @@ def test_demo_hands_off_and_matches_colocated(capsys: pytest.CaptureFixture[str]
         sides = sorted((json.loads(line)["request"], json.loads(line)["rank"]) for line in f)
     assert sides == [(r, rank) for r in ("0", "1")
                      for rank in ("decode-tp0", "prefill-tp0", "prefill-tp1")]
+    # both workers served their metrics over HTTP while still running, after the run
+    served = re.findall(r"(prefill|decode) metrics at http://\S+: (\d+) kvhandoff series ✓",
+                        text)
+    assert sorted(side for side, _ in served) == ["decode", "prefill"], text
+    assert all(int(n) > 20 for _, n in served)
 
 
 def test_demo_hands_off_a_local_all_sliding_window_checkpoint(
