@@ -79,6 +79,12 @@ class Finished(Protocol):
     def events(self) -> Mapping[str, int]:
         """Notable events (:data:`~kvhandoff.observe.metrics.EVENTS`)."""
 
+    @property
+    def component_bytes(self) -> Mapping[str, int]: ...
+
+    @property
+    def peers(self) -> list[str]: ...
+
 
 class Reporter:
     """One agent's reporting: ``role``, ``transport`` and ``rank`` label what it reports."""
@@ -100,6 +106,7 @@ class Reporter:
                 self.trace.write(role=self.role, request=side.request_id, rank=self.rank,
                                  transport=self.transport, timeline=side.timeline,
                                  outcome="success" if reason is None else "failed",
-                                 reason=reason, nbytes={"total": side.nbytes})
+                                 reason=reason, peers=side.peers,
+                                 nbytes={"total": side.nbytes, **side.component_bytes})
             except OSError as e:  # a full disk must not fail a handoff
                 log.warning("kvhandoff trace %s: %s", self.trace.path, e)

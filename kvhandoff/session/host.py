@@ -85,6 +85,14 @@ class Request(Protocol):
     def events(self) -> Mapping[str, int]:
         """Notable events while it ran ("rehandshake", "refused_write", …), for reports."""
 
+    @property
+    def component_bytes(self) -> Mapping[str, int]:
+        """Bytes planned per component (prefill; empty on decode)."""
+
+    @property
+    def peers(self) -> list[str]:
+        """The other side's ranks it dealt with, for reports."""
+
     def on_tick(self, now: float) -> None:
         """Timers: fail what waited too long (the control I/O thread, every tick)."""
 

@@ -197,6 +197,10 @@ class Receiver(RequestSide):
                 aux.clear(row)
             self._maybe_send()
 
+    @property
+    def peers(self) -> list[str]:
+        return [f"{w.rank.instance}/tp{w.rank.tp_rank}" for w in list(self._writers.values())]
+
     def abort(self, reason: str = "aborted by the decode engine") -> None:
         """Fail the request and tell every prefill rank to stop; idempotent. Watch
         :attr:`released` before reusing the destination pages."""

@@ -37,7 +37,13 @@ class RequestSide:
         self.nbytes = 0  # bytes this rank's side has seen land (written / reported written)
         # notable events, for reports: "rehandshake", "refused_write", "checksum_mismatch"
         self.events: Counter[str] = Counter()
+        self.component_bytes: Counter[str] = Counter()  # bytes planned per component
         self._created = time.monotonic()
+
+    @property
+    def peers(self) -> list[str]:
+        """The ranks of the other side this request dealt with (``instance/tpN``)."""
+        return []
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.request_id!r} {self._sm.state.value}>"

@@ -214,6 +214,11 @@ class Sender(RequestSide):
             else:
                 self._submit(chunk)
 
+    @property
+    def peers(self) -> list[str]:
+        return [f"{t.peer.rank.instance}/tp{t.peer.rank.tp_rank}"
+                for t in list(self._targets.values())]
+
     def abort(self, reason: str = "aborted by the prefill engine") -> None:
         """Fail the request here and tell every decode rank; idempotent."""
         with self._lock:
@@ -440,6 +445,7 @@ class Sender(RequestSide):
             try:
                 req = self._request(t, chunk)
                 p = plan(self.agent.layout, t.peer.layout, req)
+                self.component_bytes.update(p.by_component())
             except (HandoffError, ValueError) as e:
                 self._fail(TransferFailed(f"request {self.request_id!r} chunk {chunk.no} for "
                                           f"decode {t.peer.rank}: {e}"))
