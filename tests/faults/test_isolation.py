@@ -12,8 +12,7 @@ it when the failure closed it (``peer-closed``).
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
@@ -24,19 +23,11 @@ from kvhandoff.session import Receiver, Sender, Status
 from kvhandoff.session.bootstrap import BootstrapServer
 from kvhandoff.testing.faulty import FailingTcp
 from kvhandoff.testing.handoff import RequestPlan, place, request_of
+from kvhandoff.testing.hostile import eventually
 from kvhandoff.testing.oracle import expected_writes
 from kvhandoff.testing.rig import DecodeSide, Rig
 
 INJECTED = "injected write failure to"
-
-
-def eventually(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def memory_problems(rig: Rig, side: DecodeSide, done: list[RequestPlan],
