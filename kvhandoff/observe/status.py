@@ -68,6 +68,7 @@ class Agent:
     ok: bool
     error: str = ""
     live: dict[str, float] = field(default_factory=dict)  # role -> in flight
+    peers: dict[str, float] = field(default_factory=dict)  # role -> peers handshaken
     requests: dict[str, float] = field(default_factory=dict)  # "role status" -> count
     failures: dict[str, float] = field(default_factory=dict)  # "role reason" -> count
     new_failures: dict[str, float] = field(default_factory=dict)  # since the last snapshot
@@ -106,6 +107,8 @@ def scrape(url: str, get: Get, before: Agent | None = None) -> Agent:
             lab = s.labels
             if s.name == "kvhandoff_live_requests":
                 a.live[lab.get("role", "")] = s.value
+            elif s.name == "kvhandoff_peers":
+                a.peers[lab.get("role", "")] = s.value
             elif s.name == "kvhandoff_requests_total":
                 key = f"{lab.get('role', '')} {lab.get('status', '')}"
                 a.requests[key] = a.requests.get(key, 0.0) + s.value
@@ -167,7 +170,9 @@ def render(s: Snapshot) -> str:
             lines.append(f"  agent {a.url}: not answering ({a.error})")
             continue
         live = ", ".join(f"{role} {n:g}" for role, n in sorted(a.live.items())) or "0"
-        lines.append(f"  agent {a.url}: live {live}; finished {_counts(a.requests)}")
+        peers = ", ".join(f"{role} {n:g}" for role, n in sorted(a.peers.items())) or "0"
+        lines.append(f"  agent {a.url}: peers {peers}; live {live}; "
+                     f"finished {_counts(a.requests)}")
         lines.append(f"    failures {_counts(a.failures)}"
                      + (f"; new {_counts(a.new_failures)}" if a.new_failures else ""))
     return "\n".join(lines)

@@ -39,6 +39,7 @@ def test_status_shows_instances_ranks_and_what_the_agents_did() -> None:
     assert [(r.endpoint, r.metrics) for r in inst.ranks] == [(rig.prefill.endpoint, url)]
     agent, gone = second.agents
     assert agent.ok and not gone.ok and "9" in gone.url
+    assert agent.peers["prefill"] >= 1 and agent.peers["decode"] >= 1  # the rig's two
     before = next(a for a in first.agents if a.url == url)
     grew = {k: v - before.requests.get(k, 0.0) for k, v in agent.requests.items()}
     assert grew.get("prefill success") == 1 and grew.get("decode success") == 1
