@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Self
 
@@ -28,7 +28,7 @@ from kvhandoff.protocol import Hello, Message, decode_message, encode_message
 from kvhandoff.session import Agent
 from kvhandoff.testing.handoff import RequestPlan, place, request_of
 from kvhandoff.testing.oracle import expected_writes
-from kvhandoff.testing.rig import Rig
+from kvhandoff.testing.rig import DecodeSide, Rig
 from kvhandoff.transport.tcp_wire import HEADER, Header, Kind, Status
 
 
@@ -42,15 +42,23 @@ def eventually(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
     return True
 
 
-def exact(rig: Rig, done: list[RequestPlan]) -> list[str]:
-    """Problems in the rig's decode memory: empty when every byte of the ``done``
-    requests equals the prefill bytes it came from and every other byte still holds its
-    initial noise."""
-    bufs = rig.darena.bufs
-    expected = [rig.darena.initial(i, len(b)) for i, b in enumerate(bufs)]
+def memory_problems(rig: Rig, side: DecodeSide, done: list[RequestPlan],
+                    failed: Sequence[RequestPlan] = ()) -> list[str]:
+    """``side``'s memory against the oracle: every byte of the ``done`` requests equals
+    the prefill bytes it came from, every other byte still holds its initial noise but
+    the aux rows of ``failed`` requests (decode clears a request's row at init)."""
+    bufs = side.arena.bufs
+    expected = [side.arena.initial(i, len(b)) for i, b in enumerate(bufs)]
+    aux = side.dst.component("aux").tensors[0]
+    for rp in failed:
+        row = aux.ptr + (rp.block + 1) * aux.item_bytes
+        i = next(j for j, b in enumerate(bufs) if int(b.ctypes.data) == aux.ptr)
+        off = row - aux.ptr
+        expected[i][off:off + aux.item_bytes] = bufs[i][off:off + aux.item_bytes]
     src_mem = HostMemory(rig.parena.bufs)
     for rp in done:
-        bm = expected_writes([rig.src], rig.dst, request_of(rig.scn, rp, rig.src, rig.dst))
+        bm = expected_writes([rig.src], side.dst, request_of(rig.scn, rp, rig.src, side.dst))
+        assert len(bm.dst), "the oracle expects no write"
         place(expected, bufs, bm.dst, src_mem.read(bm.src))
     out = []
     for i, (b, e) in enumerate(zip(bufs, expected, strict=True)):
@@ -59,6 +67,11 @@ def exact(rig: Rig, done: list[RequestPlan]) -> list[str]:
             out.append(f"buffer {i}: {len(bad)} of {len(b)} bytes differ "
                        f"(first at offset {int(bad[0])})")
     return out
+
+
+def exact(rig: Rig, done: list[RequestPlan]) -> list[str]:
+    """:func:`memory_problems` of the rig's own decode side."""
+    return memory_problems(rig, rig.decodes[0], done)
 
 
 def data_port(agent: Agent) -> tuple[str, int, bytes]:

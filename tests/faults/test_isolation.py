@@ -12,49 +12,17 @@ it when the failure closed it (``peer-closed``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 
-import numpy as np
 import pytest
 
-from kvhandoff.plan.execute import HostMemory
 from kvhandoff.protocol import RequestId
 from kvhandoff.session import Receiver, Sender, Status
 from kvhandoff.session.bootstrap import BootstrapServer
 from kvhandoff.testing.faulty import FailingTcp
-from kvhandoff.testing.handoff import RequestPlan, place, request_of
-from kvhandoff.testing.hostile import eventually
-from kvhandoff.testing.oracle import expected_writes
-from kvhandoff.testing.rig import DecodeSide, Rig
+from kvhandoff.testing.hostile import eventually, memory_problems
+from kvhandoff.testing.rig import Rig
 
 INJECTED = "injected write failure to"
-
-
-def memory_problems(rig: Rig, side: DecodeSide, done: list[RequestPlan],
-                    failed: Sequence[RequestPlan] = ()) -> list[str]:
-    """``side``'s memory against the oracle: every byte of the ``done`` requests equals
-    the prefill bytes it came from, every other byte still holds its initial noise but
-    the aux rows of ``failed`` requests (decode clears a request's row at init)."""
-    bufs = side.arena.bufs
-    expected = [side.arena.initial(i, len(b)) for i, b in enumerate(bufs)]
-    aux = side.dst.component("aux").tensors[0]
-    for rp in failed:
-        row = aux.ptr + (rp.block + 1) * aux.item_bytes
-        i = next(j for j, b in enumerate(bufs) if int(b.ctypes.data) == aux.ptr)
-        off = row - aux.ptr
-        expected[i][off:off + aux.item_bytes] = bufs[i][off:off + aux.item_bytes]
-    src_mem = HostMemory(rig.parena.bufs)
-    for rp in done:
-        bm = expected_writes([rig.src], side.dst, request_of(rig.scn, rp, rig.src, side.dst))
-        assert len(bm.dst), "the oracle expects no write"
-        place(expected, bufs, bm.dst, src_mem.read(bm.src))
-    out = []
-    for i, (b, e) in enumerate(zip(bufs, expected, strict=True)):
-        bad = np.flatnonzero(b != e)
-        if len(bad):
-            out.append(f"buffer {i}: {len(bad)} of {len(b)} bytes differ "
-                       f"(first at offset {int(bad[0])})")
-    return out
 
 
 @pytest.mark.parametrize("close_peer", [False, True], ids=["peer-kept", "peer-closed"])
