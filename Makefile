@@ -8,7 +8,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvhandoff-installed
 
-.PHONY: demo test lint typecheck unit bench-planner bench-session bench-transport venv system-deps engines clean \
+.PHONY: demo test lint typecheck unit gpu-check bench-planner bench-session bench-transport venv system-deps engines clean \
 	vllm-venv demo-vllm sweep soak test-stress
 
 venv: $(STAMP)
@@ -148,6 +148,11 @@ test-stress: $(STAMP)
 SOAK_MINUTES ?= 3
 soak: $(STAMP)
 	$(BIN)/kvhandoff soak --minutes $(SOAK_MINUTES) --json soak.json
+
+# The CUDA paths (pinned host staging, NIXL GPU memory) and the GPU staging benchmark,
+# on a host with an NVIDIA GPU: PYTHON must be an interpreter whose torch is a CUDA build.
+gpu-check:
+	PYTHON=$${PYTHON:-$(BIN)/python} bash scripts/gpu-check.sh
 
 bench-planner: $(STAMP)
 	$(BIN)/python benchmarks/planner.py

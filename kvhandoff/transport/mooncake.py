@@ -50,9 +50,7 @@ handing out its endpoint are unknown here until ``connect`` is called again.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import importlib.metadata
-import importlib.util
 import logging
 import os
 import shutil
@@ -78,6 +76,7 @@ from kvhandoff.transport._engine import (
     probe_package,
 )
 from kvhandoff.transport.base import Availability, Capabilities, Handle, TransferState
+from kvhandoff.transport.cudart import preload_cudart
 from kvhandoff.transport.errors import (
     ConnectError,
     PeerLost,
@@ -133,30 +132,6 @@ def _status_error(rc: int, session: str) -> TransportError:
                     f"the peer refused the write)")
 
 
-def _preload_cudart() -> str | None:
-    """Make ``libcudart.so.12`` resolvable for engine.so (RTLD_GLOBAL). Prefers a system
-    CUDA runtime; else the ``nvidia-cuda-runtime-cu12`` wheel's. Returns an error or None."""
-    try:
-        ctypes.CDLL("libcudart.so.12", mode=ctypes.RTLD_GLOBAL)
-        return None
-    except OSError:
-        pass
-    try:
-        spec = importlib.util.find_spec("nvidia.cuda_runtime")
-    except (ImportError, ValueError):
-        spec = None
-    dirs = list(spec.submodule_search_locations or []) if spec is not None else []
-    for d in dirs:
-        lib = Path(d) / "lib" / "libcudart.so.12"
-        if lib.exists():
-            try:
-                ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
-                return None
-            except OSError as e:
-                return f"cannot load {lib}: {e}"
-    return "libcudart.so.12 not found (pip install nvidia-cuda-runtime-cu12)"
-
-
 def _gpu_host() -> bool:
     """Whether this host has an NVIDIA GPU: the test scripts/mooncake-wheel.sh makes (for
     the Makefile) when KVHANDOFF_MOONCAKE_WHEEL does not override it."""
@@ -178,7 +153,7 @@ def _installed() -> list[str]:
 def _load(dist: str | None) -> None:
     """Import the engine; the CUDA wheel's (or a source build's) needs libcudart first."""
     if dist != CPU_DIST:
-        problem = _preload_cudart()
+        problem = preload_cudart()
         if problem is not None and dist == CUDA_DIST:
             raise ImportError(problem)
     import mooncake.engine  # noqa: F401

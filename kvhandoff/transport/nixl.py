@@ -1,5 +1,7 @@
 """NVIDIA NIXL over UCX: DRAM here (single-copy ``cma`` between processes on one host),
-VRAM where CUDA is (opt-in, ``cuda=True``).
+VRAM where CUDA is (opt-in, ``cuda=True``; UCX's CUDA modules need ``libcudart.so.12``,
+which :mod:`kvhandoff.transport.cudart` loads first, from ``nvidia-cuda-runtime-cu12``
+where the host's CUDA is another version).
 
 Install: ``pip install 'kvhandoff[nixl]'`` gives ``nixl-cu12``, whose metadata also
 requires torch (~6 GB) although NIXL imports it only for type checking; add
@@ -71,6 +73,7 @@ from kvhandoff.transport._engine import (
     probe_package,
 )
 from kvhandoff.transport.base import Availability, Capabilities, Handle, TransferState
+from kvhandoff.transport.cudart import preload_cudart
 from kvhandoff.transport.errors import (
     ConnectError,
     PeerLost,
@@ -204,6 +207,10 @@ class NixlTransport(EngineTransport):
         if cuda:  # per instance: whether device memory is wanted is the caller's choice
             self.capabilities = replace(  # type: ignore[misc]
                 self.capabilities, memory=frozenset(MemoryKind))
+            problem = preload_cudart()  # before UCX starts, or it sees VRAM as host memory
+            if problem is not None:
+                raise TransportUnavailable(f"nixl cuda=True needs CUDA 12's runtime for "
+                                           f"UCX's CUDA modules: {problem}")
         self._inline = inline_bytes
         self.agent_name = agent_name or (
             f"kvh-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}")

@@ -79,15 +79,20 @@ def create_transport(name: str = DEFAULT, **options: Any) -> Transport:
     return cls(**options)
 
 
-CUDA_TESTED: dict[str, str] = {"nixl": "untested", "mooncake": "untested",
-                               "tcp": "untested", "shm": "untested"}
-"""Transports that can move a GPU KV cache, and whether that path has run on a GPU: it
-has not yet, and ``kvhandoff transports`` says so. nixl and mooncake register device
-memory (their ``cuda=True`` option); the :data:`CUDA_STAGED` ones go through a host copy."""
+CUDA_TESTED: dict[str, str] = {
+    "tcp": "host staging tested on an H100", "shm": "host staging tested on an H100",
+    "nixl": "host staging tested on an H100; gpu_direct: GPU to GPU across processes "
+            "tested there, host to GPU makes no progress",
+    "mooncake": "untested"}
+"""Transports that can move a GPU KV cache, and what has run on a GPU (``make gpu-check``;
+``kvhandoff transports`` shows it). By default a GPU cache goes through a host mirror
+(the vLLM connector's :class:`~kvhandoff.integrations.vllm.host_staging.HostStaging`);
+nixl and mooncake can also register device memory themselves (their ``cuda=True``
+option, the connector's ``gpu_direct``)."""
 
-CUDA_STAGED = frozenset({"tcp", "shm"})
-"""Transports that move host memory only: a GPU KV cache reaches them through a pinned
-host mirror (the vLLM connector's ``host_staging``), copying each request's blocks."""
+CUDA_STAGED_ONLY = frozenset({"tcp", "shm"})
+"""Transports that move host memory only: a GPU KV cache reaches them through the host
+mirror alone."""
 
 
 def describe_transports() -> list[str]:
@@ -108,8 +113,7 @@ def describe_transports() -> list[str]:
                 if caps.needs_allocate:
                     notes.append("destinations from allocate()")
         if name in CUDA_TESTED:
-            via = ", pinned host staging" if name in CUDA_STAGED else ""
-            notes.append(f"CUDA: {CUDA_TESTED[name]}{via}")
+            notes.append(f"CUDA: {CUDA_TESTED[name]}")
         tail = f"  [{', '.join(notes)}]" if notes else ""
         lines.append(f"{name:<9} {'usable' if ok else 'NOT usable':<10}  {reason}{tail}")
     return lines

@@ -204,3 +204,27 @@ def thread_count() -> int:
 
 def fd_count() -> int:
     return len(os.listdir("/proc/self/fd"))
+
+
+def serve_cuda_peer(conn: Any, name: str, nbytes: int, seed: int) -> None:
+    """Child-process receiver in GPU memory: ``nbytes`` of noise (``seed``) in a CUDA
+    tensor registered with a ``cuda=True`` transport; sends ``(endpoint, address)``,
+    answers "bytes" with the tensor's bytes until "exit". (CUDA IPC, which engines use
+    between processes on one host, cannot open a handle in the process that made it, so
+    a GPU receiver lives in its own process.)"""
+    import torch
+
+    from kvhandoff.layout import MemoryKind, Region
+
+    with make(name, cuda=True) as transport:
+        buf = torch.from_numpy(noise(np.random.default_rng(seed), nbytes)).to("cuda")
+        transport.register(Region(ptr=buf.data_ptr(), nbytes=buf.nbytes, memory=MemoryKind.CUDA,
+                                  device=buf.device.index or 0))
+        conn.send((transport.endpoint(), buf.data_ptr()))
+        while conn.poll(120):
+            cmd = conn.recv()
+            if cmd == "bytes":
+                torch.cuda.synchronize()
+                conn.send_bytes(buf.cpu().numpy().tobytes())
+            else:
+                break

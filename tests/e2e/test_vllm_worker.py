@@ -2,12 +2,15 @@
 process over the real session layer (bootstrap server, control sockets, tcp), on pages
 laid out the way vLLM lays out a hybrid model's (attention + Mamba2 in one pool).
 
-The staged pair does what the connector does for a GPU KV cache over tcp/shm (forced with
-``host_staging`` on CPU tensors): torch "device" tensors, a host mirror registered in
-their place, blocks copied in and out around the handoff."""
+The staged pair does what the connector does for a GPU KV cache over tcp/shm: torch
+"device" tensors, a host mirror registered in their place, blocks copied in and out
+around the handoff. It runs on CPU tensors (forced with ``host_staging``) everywhere and
+on CUDA tensors where a GPU is (``make gpu-check``). (NIXL's device-to-device path,
+``gpu_direct``, needs two processes: tests/conformance/test_cuda_memory.py.)"""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,6 +26,7 @@ from kvhandoff.integrations.vllm.worker import AuxRows, WorkerSide, block_bytes
 from kvhandoff.layout import Region
 from kvhandoff.session.bootstrap import BootstrapServer
 from kvhandoff.session.config import SessionConfig
+from kvhandoff.transport.registry import transport_class
 
 BLOCKS, BS, HEADS, C = 8, 32, 2, 128  # C: K|V of one token, bf16 elements
 PAGE = HEADS * BS * C * 2
@@ -36,10 +40,20 @@ GROUPS = [GroupInfo(0, "mamba", "MambaSpec", BS, ("model.layers.0.mixer",), mamb
 STATE_BYTES = 128 * 3 * 2 + 2 * 32 * 32 * 4  # MAMBA's conv + SSM: what a Mamba page moves
 
 
+CUDA = torch.cuda.is_available()
+NEEDS_CUDA = pytest.mark.skipif(not CUDA, reason="no CUDA device here (make gpu-check runs "
+                                                 "these on a GPU)")
+
+
 @dataclass
 class Side:
     worker: WorkerSide
-    pool: np.ndarray
+    pool: np.ndarray  # the KV memory as the side has it (a host copy for a GPU cache)
+    device: torch.Tensor | None = None  # the "vLLM" tensors' storage, when torch holds it
+
+    def memory(self) -> np.ndarray:
+        """The KV memory's bytes now (read back from the GPU when it is there)."""
+        return self.pool if self.device is None else self.device.cpu().numpy()
 
 
 def _config(instance: str, transport: str = "tcp") -> SessionConfig:
@@ -67,19 +81,22 @@ def _side(url: str, producer: bool, fill: bool, instance: str) -> Side:
                            config=_config(instance), kv_name="g1.full"), pool)
 
 
-def _staged_side(url: str, producer: bool, fill: bool, instance: str, transport: str) -> Side:
-    """As the connector sets a worker up with ``host_staging``: vLLM's (here CPU) tensors,
-    a mirror of their shared storage registered instead, aux rows from the transport
-    where it insists. ``pool`` is the "device" memory."""
-    dev = torch.zeros(BLOCKS * PAGE, dtype=torch.uint8)
+def _staged_side(url: str, producer: bool, fill: bool, instance: str, transport: str,
+                 device: str = "cpu") -> Side:
+    """As the connector sets a worker up for vLLM's tensors on ``device``: a mirror of
+    their shared storage registered instead (what it does for a GPU cache, and on CPU
+    when ``host_staging`` forces it). Aux rows come from the transport where it
+    insists."""
+    host = torch.zeros(BLOCKS * PAGE, dtype=torch.uint8)
     if fill:
-        dev[:] = torch.from_numpy(np.random.default_rng(7).integers(0, 256, dev.numel(),
-                                                                    dtype=np.uint8))
+        host[:] = torch.from_numpy(np.random.default_rng(7).integers(0, 256, host.numel(),
+                                                                     dtype=np.uint8))
+    dev = host.to(device)
     tensors = {"model.layers.0.mixer": dev.view(torch.int8).view(BLOCKS, 1, 1, PAGE),
                "model.layers.1.self_attn.attn": dev.view(torch.bfloat16).view(
                    BLOCKS, HEADS, BS, C)}
     mem = kv_memory(tensors, [g.layer_names for g in GROUPS], _config(instance, transport),
-                    producer=producer, host_staging=True)
+                    producer=producer, host_staging=device == "cpu")
     assert mem.staging is not None
     rows = AuxRows(4, allocate=mem.allocate)
     aux = rows.component.tensors[0]
@@ -89,7 +106,7 @@ def _staged_side(url: str, producer: bool, fill: bool, instance: str, transport:
                           identity=[("model", "test")])
     worker = WorkerSide(layout, rows, producer=producer, bootstrap=url, config=mem.config,
                         kv_name="g1.full", staging=mem.staging, transport=mem.transport)
-    return Side(worker, dev.numpy())
+    return Side(worker, host.numpy(), dev)
 
 
 @pytest.fixture
@@ -105,17 +122,34 @@ def pair() -> Iterator[tuple[Side, Side, str]]:
             p.worker.close()
 
 
-@pytest.fixture(params=["tcp", "shm"])
-def staged(request: pytest.FixtureRequest) -> Iterator[tuple[Side, Side, str]]:
+@contextlib.contextmanager
+def _sides(transport: str, device: str) -> Iterator[tuple[Side, Side, str]]:
     with BootstrapServer() as srv:
-        name = f"vllm-staged-{request.param}-{time.monotonic_ns()}"
-        p = _staged_side(srv.url, True, True, name, request.param)
-        d = _staged_side(srv.url, False, False, name, request.param)
+        name = f"vllm-staged-{transport}-{device}-{time.monotonic_ns()}"
+        p = _staged_side(srv.url, True, True, name, transport, device)
+        try:
+            d = _staged_side(srv.url, False, False, name, transport, device)
+        except BaseException:
+            p.worker.close()
+            raise
         try:
             yield p, d, srv.url
         finally:
             d.worker.close()
             p.worker.close()
+
+
+NIXL = transport_class("nixl").usable()
+NEEDS_NIXL = pytest.mark.skipif(not NIXL.ok, reason=f"nixl: {NIXL.reason}")
+
+
+@pytest.fixture(params=[pytest.param((t, dev), id=f"{t}-{dev}", marks=(
+    [NEEDS_CUDA] if dev == "cuda" else []) + ([NEEDS_NIXL] if t == "nixl" else []))
+    for dev in ("cpu", "cuda") for t in ("tcp", "shm", "nixl")])
+def staged(request: pytest.FixtureRequest) -> Iterator[tuple[Side, Side, str]]:
+    transport, device = request.param
+    with _sides(transport, device) as sides:
+        yield sides
 
 
 def _until(side: Side, want: str, which: int, timeout: float = 30.0) -> None:
@@ -190,17 +224,23 @@ def test_a_staged_handoff_lands_byte_exact_in_the_device_tensors(
     then holds prefill's attention pages and Mamba state at decode's block ids, and
     nothing else."""
     p, d, url = staged
-    before = p.pool.copy()
+    before = p.memory().copy()
     p.worker.start(StepMeta(sends=[SendReq("p-s", ((3,), (1, 2)), 40)]))
     d.worker.start(StepMeta(recvs=[RecvReq("d-s", "p-s", url, p.worker.agent.config.instance,
                                            ((6,), (4, 5)), 0, 40)]))
     _until(d, "d-s", 1)
     _until(p, "p-s", 0)
-    want = np.zeros_like(d.pool)
+    _assert_landed(p, d, before)
+
+
+def _assert_landed(p: Side, d: Side, before: np.ndarray) -> None:
+    """Decode holds prefill's blocks 1, 2 (attention) and 3 (Mamba) at its 4, 5 and 6,
+    and nothing else; prefill's memory is unchanged; both report success."""
+    want = np.zeros_like(before)
     want[4 * PAGE:6 * PAGE] = before[1 * PAGE:3 * PAGE]  # attention pages
     want[6 * PAGE:6 * PAGE + STATE_BYTES] = before[3 * PAGE:3 * PAGE + STATE_BYTES]  # conv, SSM
-    assert np.array_equal(d.pool, want)
-    assert np.array_equal(p.pool, before)
+    assert np.array_equal(d.memory(), want)
+    assert np.array_equal(p.memory(), before)
     assert d.worker.stats.take()["outcomes"] == [["decode", "success"]]
     assert p.worker.stats.take()["outcomes"] == [["prefill", "success"]]
 
@@ -220,7 +260,7 @@ def test_a_staging_copy_that_fails_fails_the_load(staged: tuple[Side, Side, str]
                                            ((6,), (4, 5)), 0, 40)]))
     _until(d, "d-f", 2)
     assert d.worker.stats.take()["outcomes"] == [["decode", "StagingError"]]
-    assert not d.pool.any()
+    assert not d.memory().any()
 
 
 def test_a_send_with_a_block_outside_the_cache_fails_alone(

@@ -1,6 +1,7 @@
-"""Pinned host staging (``kvhandoff.integrations.vllm.host_staging``) on CPU tensors:
-the mirror path the connector takes for a GPU KV cache over tcp/shm, forced here with
-``host_staging`` so the same code runs without a GPU."""
+"""Pinned host staging (``kvhandoff.integrations.vllm.host_staging``): the mirror path
+the connector takes for a GPU KV cache over tcp/shm. Each copy test runs on CPU tensors
+(forced with ``host_staging``, so the same code runs without a GPU) and, where CUDA is
+available, on GPU tensors with pinned mirrors (``make gpu-check``)."""
 
 from __future__ import annotations
 
@@ -25,12 +26,22 @@ PAGE = 2 * H * N * C * 2  # one block of K and V, bytes
 USEFUL, OFFSET = 96, 64  # a padded raw page view: its bytes, where it starts in the page
 
 
-def _pool(fill: bool, seed: int = 1) -> torch.Tensor:
+CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not CUDA, reason="no CUDA device here (make gpu-check runs these on a GPU)"))])
+def device(request: pytest.FixtureRequest) -> str:
+    """Where the "vLLM" tensors live: the staged copies run device ↔ host."""
+    return str(request.param)
+
+
+def _pool(fill: bool, seed: int = 1, device: str = "cpu") -> torch.Tensor:
     pool = torch.zeros(NB * PAGE, dtype=torch.uint8)
     if fill:
         pool[:] = torch.randint(0, 256, (NB * PAGE,), generator=torch.Generator().manual_seed(seed),
                                 dtype=torch.uint8)
-    return pool
+    return pool.to(device)
 
 
 def _views(pool: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -39,14 +50,14 @@ def _views(pool: torch.Tensor) -> dict[str, torch.Tensor]:
     int8 ``[num_blocks, 1, USEFUL]`` page view that starts ``OFFSET`` bytes into each
     page and ends before the page does (padding)."""
     attn = pool.view(torch.bfloat16).view(2, NB, H, N, C)
-    raw = torch.empty(0, dtype=torch.int8).set_(
+    raw = torch.empty(0, dtype=torch.int8, device=pool.device).set_(
         pool.untyped_storage(), OFFSET, (NB, 1, USEFUL), (PAGE, USEFUL, 1))
     return {"attn": attn, "raw": raw}
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """Every byte of ``t``'s storage."""
-    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+    """Every byte of ``t``'s storage, on the host."""
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage()).cpu()
 
 
 GROUPS = (("raw",), ("attn",))
@@ -58,8 +69,8 @@ def _expected(src: dict[str, torch.Tensor], raw_ids: list[int], attn_ids: list[i
     """A zero storage with the chosen blocks of each view copied from ``src`` (by plain
     indexing, not the staging code's runs)."""
     out = _views(_pool(False))
-    out["raw"][raw_ids] = src["raw"][raw_ids]
-    out["attn"][:, attn_ids] = src["attn"][:, attn_ids]
+    out["raw"][raw_ids] = src["raw"][raw_ids].cpu()
+    out["attn"][:, attn_ids] = src["attn"][:, attn_ids].cpu()
     return _bytes(out["raw"])
 
 
@@ -68,9 +79,9 @@ def test_runs_are_distinct_consecutive_ids() -> None:
     assert runs([]) == []
 
 
-def test_one_mirror_per_storage_with_the_same_offsets_and_strides() -> None:
-    dev = _views(_pool(True))
-    other = torch.zeros(3, NB, 5, dtype=torch.float32)  # a layer with its own storage
+def test_one_mirror_per_storage_with_the_same_offsets_and_strides(device: str) -> None:
+    dev = _views(_pool(True, device=device))
+    other = torch.zeros(3, NB, 5, dtype=torch.float32, device=device)  # its own storage
     st = HostStaging({**dev, "other": other}, (("raw",), ("attn", "other")), block_dims=DIMS)
     assert st.nbytes == NB * PAGE + other.nbytes  # the shared pool once, not per view
     m = st.mirrors
@@ -81,11 +92,13 @@ def test_one_mirror_per_storage_with_the_same_offsets_and_strides() -> None:
             t.shape, t.stride(), t.storage_offset(), t.dtype)
         assert h.device.type == "cpu" and h.data_ptr() != t.data_ptr()
         assert h.untyped_storage().nbytes() == t.untyped_storage().nbytes()
+        assert h.is_pinned() == CUDA  # page-locked wherever CUDA is, for DMA copies
+    assert st.pinned == CUDA
     assert not _bytes(m["raw"]).any()  # zeroed
 
 
-def test_to_host_copies_exactly_the_chosen_blocks_of_each_view() -> None:
-    dev = _views(_pool(True))
+def test_to_host_copies_exactly_the_chosen_blocks_of_each_view(device: str) -> None:
+    dev = _views(_pool(True, device=device))
     st = HostStaging(dev, GROUPS, block_dims=DIMS)
     st.to_host([[1, 6], [0, 4, 5, 7]])
     assert torch.equal(_bytes(st.mirrors["raw"]), _expected(dev, [1, 6], [0, 4, 5, 7]))
@@ -93,8 +106,8 @@ def test_to_host_copies_exactly_the_chosen_blocks_of_each_view() -> None:
     assert torch.equal(_bytes(st.mirrors["raw"]), _expected(dev, [1, 6], [0, 4, 5, 7]))
 
 
-def test_to_device_copies_exactly_the_chosen_blocks_back() -> None:
-    dev = _views(_pool(False))
+def test_to_device_copies_exactly_the_chosen_blocks_back(device: str) -> None:
+    dev = _views(_pool(False, device=device))
     st = HostStaging(dev, GROUPS, block_dims=DIMS)
     _bytes(st.mirrors["raw"])[:] = _pool(True, seed=2)  # what a transport wrote
     st.to_device([[3], [2, 3, 6]])
@@ -102,10 +115,11 @@ def test_to_device_copies_exactly_the_chosen_blocks_back() -> None:
     assert _bytes(dev["raw"]).any()
 
 
-def test_a_round_trip_lands_byte_exact_in_another_devices_tensors() -> None:
+def test_a_round_trip_lands_byte_exact_in_another_devices_tensors(device: str) -> None:
     """Prefill's device → its mirror → (the transport: a plain copy here) → decode's
     mirror → decode's device, with different block ids on the two sides."""
-    p_dev, d_dev = _views(_pool(True, seed=3)), _views(_pool(False))
+    p_dev = _views(_pool(True, seed=3, device=device))
+    d_dev = _views(_pool(False, device=device))
     p, d = HostStaging(p_dev, GROUPS, block_dims=DIMS), HostStaging(d_dev, GROUPS, block_dims=DIMS)
     p.to_host([[2], [1, 3]])
     d.mirrors["raw"][5] = p.mirrors["raw"][2]
@@ -116,15 +130,16 @@ def test_a_round_trip_lands_byte_exact_in_another_devices_tensors() -> None:
     assert torch.equal(d_dev["attn"][:, [6, 7]].view(torch.int16),
                        p_dev["attn"][:, [1, 3]].view(torch.int16))
     want = _views(_pool(False))
-    want["raw"][5] = p_dev["raw"][2]
-    want["attn"][:, [6, 7]] = p_dev["attn"][:, [1, 3]]
+    want["raw"][5] = p_dev["raw"][2].cpu()
+    want["attn"][:, [6, 7]] = p_dev["attn"][:, [1, 3]].cpu()
     assert torch.equal(_bytes(d_dev["raw"]), _bytes(want["raw"]))  # nothing else touched
 
 
 @pytest.mark.parametrize("bad", [[NB], [-1], [0, NB + 3]])
 @pytest.mark.parametrize("way", ["to_host", "to_device"])
-def test_out_of_range_block_ids_are_refused_before_any_copy(bad: list[int], way: str) -> None:
-    dev = _views(_pool(True))
+def test_out_of_range_block_ids_are_refused_before_any_copy(bad: list[int], way: str,
+                                                            device: str) -> None:
+    dev = _views(_pool(True, device=device))
     before = _bytes(dev["raw"]).clone()
     st = HostStaging(dev, GROUPS, block_dims=DIMS)
     copy: Callable[[list[list[int]]], None] = getattr(st, way)
@@ -189,6 +204,8 @@ def test_kv_memory_mirrors_only_when_asked_or_needed() -> None:
     finally:
         shm.close()
     assert kv_memory(dev, groups, SessionConfig(transport="shm"), producer=True).staging is None
+    with pytest.raises(ValueError, match="gpu_direct: transport 'tcp' moves host memory only"):
+        kv_memory(dev, groups, SessionConfig(transport="tcp"), producer=True, gpu_direct=True)
 
 
 def test_the_host_staging_option_is_a_boolean() -> None:

@@ -14,14 +14,19 @@ vLLM registered its KV caches). Load it with::
 ``kvhandoff bootstrap``), ``transport`` (``tcp`` default; ``shm``, ``mooncake``, ``nixl``),
 ``instance`` (the prefill deployment's name, default ``default``), ``host`` (control
 socket bind address), ``aux_rows`` (handoffs in flight per worker, default 1024),
-``host_staging`` (see below), and any other
+``host_staging`` and ``gpu_direct`` (see below), and any other
 :class:`~kvhandoff.session.config.SessionConfig` field (e.g. ``transfer_timeout``).
 
-GPU memory: with vLLM's KV cache on CUDA, nixl and mooncake register it as device
-memory; tcp and shm move host memory only, so the worker keeps a pinned host mirror and
-copies each request's blocks through it
-(:class:`~kvhandoff.integrations.vllm.host_staging.HostStaging`). ``host_staging: true``
-forces the mirror for any transport and CPU tensors too (how it is tested without a GPU).
+GPU memory: with vLLM's KV cache on CUDA, the worker keeps a host mirror and copies each
+request's blocks through it
+(:class:`~kvhandoff.integrations.vllm.host_staging.HostStaging`), over every transport:
+that path is the one tested on a GPU (an H100, ``make gpu-check``). ``gpu_direct: true``
+asks nixl or mooncake to register the device memory itself instead. It stays opt-in:
+on the H100 NIXL moved GPU → GPU between processes byte-exact, but host → GPU made no
+progress as kvhandoff drives it (no target progress), and torch's device copies failed
+in a process whose NIXL agent had loaded UCX's CUDA modules (README, "GPU memory").
+``host_staging: true`` forces the mirror for CPU tensors too (how the path is tested
+without a GPU).
 """
 
 from __future__ import annotations
@@ -77,7 +82,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvhandoff.integrations.vllm")
 
-_OWN_KEYS = {"bootstrap", "aux_rows", "host_staging"}
+_OWN_KEYS = {"bootstrap", "aux_rows", "host_staging", "gpu_direct"}
 
 
 class KvhandoffMetadata(KVConnectorMetadata):  # type: ignore[misc]
@@ -131,6 +136,7 @@ class KvhandoffConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self.identity = _identity(vllm_config, self.groups, tp)
         self._aux_rows = int(extra.get("aux_rows", 1024))
         self._host_staging = flag(extra, "host_staging")
+        self._gpu_direct = flag(extra, "gpu_direct")
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._staging: HostStaging | None = None
@@ -156,7 +162,8 @@ class KvhandoffConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         tp = self._vllm_config.parallel_config.tensor_parallel_size
         rank = get_tensor_model_parallel_rank() if tp > 1 else 0
         mem = kv_memory(kv_caches, [g.layer_names for g in self.groups], self.session,
-                        producer=self.producer, host_staging=self._host_staging)
+                        producer=self.producer, host_staging=self._host_staging,
+                        gpu_direct=self._gpu_direct)
         if mem.staging is not None:
             log.info("kvhandoff: vLLM's KV cache goes through a %s host mirror of %d B",
                      "pinned" if mem.staging.pinned else "pageable", mem.staging.nbytes)

@@ -24,8 +24,14 @@ same as device memory (nixl, mooncake), or a mirror. A decode worker on a transp
 whose destinations must come from its own ``allocate`` (shm) always uses a mirror
 allocated there, since vLLM's tensors never are.
 
-The CUDA path (pinning, the device copies, the stream synchronisation) has not run on a
-GPU yet; ``host_staging`` runs the same code on CPU tensors.
+The CUDA path (pinning, the device copies, the stream synchronisation) runs on a GPU in
+``make gpu-check`` (tested on an H100: staged tcp, shm and nixl handoffs byte-exact in
+decode's GPU memory); ``host_staging`` runs the same code on CPU tensors everywhere else.
+A GPU cache takes the mirror over every transport unless ``gpu_direct`` asks nixl or
+mooncake to register device memory themselves. The mirror is page-locked by torch (tcp)
+or with ``cudaHostRegister`` (shm's arenas); for nixl and mooncake it is left to the
+engine, whose CUDA-aware registration page-locks it and would fail on memory torch had
+locked already ("part or all of the requested memory range is already mapped").
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ from kvhandoff.layout import MemoryKind
 from kvhandoff.session.config import SessionConfig
 from kvhandoff.transport.base import Transport
 from kvhandoff.transport.registry import (
-    CUDA_STAGED,
+    CUDA_STAGED_ONLY,
     CUDA_TESTED,
     create_transport,
     transport_class,
@@ -260,27 +266,31 @@ class KvMemory:
 
 
 def kv_memory(tensors: Mapping[str, torch.Tensor], groups: Sequence[Sequence[str]],
-              config: SessionConfig, *, producer: bool, host_staging: bool = False
-              ) -> KvMemory:
+              config: SessionConfig, *, producer: bool, host_staging: bool = False,
+              gpu_direct: bool = False) -> KvMemory:
     """How a worker reaches vLLM's KV cache (``groups``: layer names per transferable
     group). A host mirror when ``host_staging`` is set, when the cache is in GPU memory
-    and the transport moves host memory only (tcp, shm), or on decode when the transport
-    writes only into its own ``allocate``d memory (shm); GPU memory itself over nixl and
-    mooncake (their ``cuda`` option); else vLLM's tensors as they are."""
+    (unless ``gpu_direct``), or on decode when the transport writes only into its own
+    ``allocate``d memory (shm); GPU memory itself over nixl and mooncake with
+    ``gpu_direct`` (their ``cuda`` option); else vLLM's tensors as they are."""
     name = config.transport
     cuda = any(t.device.type == "cuda" for t in tensors.values())
     if cuda and name not in CUDA_TESTED:
         raise ValueError(f"vLLM's KV cache is in GPU memory, which transport {name!r} cannot "
                          f"move; use one of {sorted(CUDA_TESTED)} "
                          f"(kv_connector_extra_config.transport)")
+    if gpu_direct and name in CUDA_STAGED_ONLY:
+        raise ValueError(f"gpu_direct: transport {name!r} moves host memory only; "
+                         f"nixl and mooncake can register GPU memory")
     own = not producer and transport_class(name).capabilities.needs_allocate
-    if not (host_staging or own or (cuda and name in CUDA_STAGED)):
+    if not (host_staging or own or (cuda and not gpu_direct)):
         if cuda:
             config = config.replace(transport_options={**config.transport_options, "cuda": True})
         return KvMemory(config, tensors)
     transport = create_transport(name, **dict(config.transport_options)) if own else None
     try:
         staging = HostStaging(tensors, groups,
+                              pin=None if name in CUDA_STAGED_ONLY else False,
                               allocate=transport.allocate if transport is not None else None)
     except BaseException:
         if transport is not None:

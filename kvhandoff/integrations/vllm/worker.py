@@ -31,12 +31,13 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Protocol
 
 import numpy as np
 
 from kvhandoff.integrations.vllm.requests import RecvReq, SendReq, StepMeta
-from kvhandoff.layout import Layout
+from kvhandoff.layout import Layout, MemoryKind
 from kvhandoff.observe import timeline as tl
 from kvhandoff.session.agent import Agent
 from kvhandoff.session.aux import AuxSpec
@@ -309,7 +310,10 @@ class WorkerSide:
 
     def _dump(self, side: str, rid: object, lists: tuple[tuple[int, ...], ...]) -> None:
         """With ``KVHANDOFF_VLLM_DUMP=FILE``, append per component a digest of its moving
-        blocks (tests compare prefill's with decode's, byte for byte) and their bytes."""
+        blocks (tests compare prefill's with decode's, byte for byte) and their bytes.
+        Without it, nothing is read: a handoff never pays for the digest."""
+        if not os.environ.get("KVHANDOFF_VLLM_DUMP"):
+            return
         _append_dump([
             {"side": side, "request": str(rid), "component": name, "blocks": len(blocks),
              "bytes": len(data), "sha256": hashlib.sha256(data.tobytes()).hexdigest()}
@@ -341,7 +345,20 @@ def _append_dump(rows: list[dict[str, Any]]) -> None:
 
 
 def block_bytes(layout: Layout, name: str, blocks: list[int]) -> np.ndarray[Any, Any]:
-    """``blocks`` of every tensor of component ``name``, concatenated (for comparisons)."""
+    """``blocks`` of every tensor of component ``name``, concatenated (for comparisons);
+    blocks in GPU memory are copied to the host first."""
     c = layout.component(name)
-    parts = [host_view(t.ptr + b * t.item_stride, t.item_bytes) for t in c.tensors for b in blocks]
+    parts = [_read(t.ptr + b * t.item_stride, t.item_bytes, t.memory, t.device)
+             for t in c.tensors for b in blocks]
     return np.concatenate(parts) if parts else np.zeros(0, np.uint8)
+
+
+def _read(ptr: int, nbytes: int, memory: MemoryKind, device: int) -> np.ndarray[Any, Any]:
+    """A copy of ``nbytes`` at ``ptr`` (a host view when the memory is the host's)."""
+    if memory is MemoryKind.HOST:
+        return host_view(ptr, nbytes)
+    import torch
+
+    ref = SimpleNamespace(__cuda_array_interface__={  # how torch reads a device pointer
+        "shape": (nbytes,), "typestr": "|u1", "data": (ptr, True), "version": 3})
+    return torch.as_tensor(ref, device=f"cuda:{device}").cpu().numpy()
