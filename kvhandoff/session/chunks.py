@@ -14,17 +14,26 @@ chunk with its slice of decode's list:
 
 Counts are checked when both sides are known (:meth:`KvCursor.problem`), so a request
 whose page counts disagree fails at bootstrap with both numbers, never mid-transfer.
+
+:func:`chunk_request` is a chunk's whole planner request for one decode rank (the KV
+slice, plus the aux row and the state components with the last chunk);
+:func:`state_lists` checks what the engine gave for those state components.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
 from kvhandoff.layout import Layout
 from kvhandoff.plan.request import IndexArray, Indices, as_indices
+from kvhandoff.protocol import IndexListMsg
+
+StateLists = dict[str, tuple[IndexArray, int] | None]
+"""The last chunk's state components: per name, ``(source items, first row)`` or None."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +144,65 @@ class KvCursor:
         return Indices(src, self.dst[a // self.pd:_ceil(b, self.pd)],
                        src_first_row=t0 % self.ps, dst_first_row=a % self.pd,
                        num_rows=t1 - t0)
+
+
+def chunk_request(layout: Layout, dst: Mapping[str, IndexListMsg | None], *,
+                  kv: Indices | None, kv_name: str | None, aux_name: str | None,
+                  aux_row: int | None, state: StateLists | None, last: bool
+                  ) -> dict[str, Indices | None]:
+    """The planner request of one chunk for one decode rank: ``kv`` (its cursor's slice,
+    None without a cursor), and with the last chunk the aux row and every state
+    component. ``ValueError`` when the two sides disagree whether a component moves."""
+    req: dict[str, Indices | None] = {}
+    for c in layout.components:
+        d = dst.get(c.name)
+        if c.name == kv_name:
+            if kv is not None or d is None:
+                req[c.name] = kv
+        elif c.name == aux_name:
+            req[c.name] = None if (d is None or not last) else Indices([aux_row], d.array())
+        elif not last:
+            req[c.name] = None
+        else:
+            assert state is not None
+            req[c.name] = _state_request(c.name, state.get(c.name), d)
+    return req
+
+
+def _state_request(name: str, src: tuple[IndexArray, int] | None,
+                   dst: IndexListMsg | None) -> Indices | None:
+    if (src is None) != (dst is None):
+        have = "no list" if src is None else f"{len(src[0])} items"
+        want = "no list" if dst is None else f"{dst.num_items} items"
+        raise ValueError(f"component {name!r}: prefill sends {have}, decode "
+                         f"expects {want}; both sides must agree whether it moves")
+    if src is None or dst is None:
+        return None
+    return Indices(src[0], dst.array(), src_first_row=src[1], dst_first_row=dst.first_row,
+                   num_rows=dst.num_rows, positions=dst.positions_array())
+
+
+def state_lists(layout: Layout, names: tuple[str, ...],
+                state: Mapping[str, object | None] | None, last: bool) -> StateLists | None:
+    """Check and normalise what ``Sender.send`` was given for the state components:
+    nothing before the last chunk, every one of ``names`` exactly with it (``ValueError``
+    otherwise, naming what is unknown or missing)."""
+    if not last:
+        if state:
+            raise ValueError("state components travel with the last chunk only")
+        return None
+    given = dict(state or {})
+    unknown, missing = set(given) - set(names), set(names) - set(given)
+    if unknown or missing:
+        raise ValueError(f"the last chunk must name every state component exactly: "
+                         f"unknown {sorted(unknown)}, missing {sorted(missing)} "
+                         f"(use None for one that does not move)")
+    out = {n: None if v is None else source_indices(v, f"state {n!r}")
+           for n, v in given.items()}
+    for n, v in out.items():
+        if v is not None:
+            check_items(layout, n, v[0], "prefill")
+    return out
 
 
 def source_indices(value: object, what: str) -> tuple[IndexArray, int]:

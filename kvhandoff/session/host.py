@@ -8,6 +8,13 @@ protocols, so imports run one way only, and a request can be driven by a fake ho
     agent ──> prefill_desk ──> sender ────┐
       └─────> decode_desk ───> receiver ──┴─> request_side ──> host
 
+    sender ──> send_core ──┐
+    receiver ─> recv_core ─┴─> request_core  (request_side uses it too)
+
+Each shell (``sender``, ``receiver``) holds the request's lock and does the I/O; its
+core (``send_core``, ``recv_core``, sharing ``request_core``) decides, with no host, no
+lock, no clock and no socket: events in, effects out.
+
 What a request asks of its host, all of it:
 
 * facts about the rank: its :class:`Role`, layout and components, config, rank id,

@@ -28,55 +28,43 @@ of its writes is in flight (``AbortAck``, or its last chunk had completed), or w
 ``release_timeout`` passed (then :attr:`release_reason` says so). Until then a late write
 may still land in the destination pages: do not reuse them.
 
+Every decision above lives in :class:`~kvhandoff.session.recv_core.RecvCore` (sans I/O);
+this class is its shell: it finds the prefill group, holds the lock, feeds the core events
+and carries out its effects (post, clear and read the aux guard, verify checksums on a
+worker, handshake again, release).
+
 Thread-safety: every method may be called from any thread (one lock per request).
 """
 
 from __future__ import annotations
 
 import hashlib
-import logging
 import threading
 import time
 import urllib.parse
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 from kvhandoff.errors import HandoffError
 from kvhandoff.layout import Layout
-from kvhandoff.observe import timeline as tl
 from kvhandoff.plan import plan
 from kvhandoff.plan.request import Indices
-from kvhandoff.protocol import (
-    Abort,
-    IndexListMsg,
-    Outcome,
-    RankId,
-    RequestId,
-    TransferInit,
-    TransferStatus,
-)
+from kvhandoff.protocol import IndexListMsg, RequestId, TransferInit, TransferStatus
 from kvhandoff.session import aux
 from kvhandoff.session.checksum import plan_digests
 from kvhandoff.session.chunks import check_items
-from kvhandoff.session.errors import (
-    AgentClosed,
-    AuxMismatch,
-    ChecksumMismatch,
-    PeerLost,
-    RequestAborted,
-    RequestRejected,
-    RequestTimeout,
-    SessionError,
-    TransferFailed,
-)
-from kvhandoff.session.groups import GroupState, PrefillGroup
+from kvhandoff.session.errors import TransferFailed
+from kvhandoff.session.groups import GroupState, PrefillGroup, PrefillRank
 from kvhandoff.session.host import RankHost
+from kvhandoff.session.recv_core import (
+    CheckGuard,
+    ClearGuard,
+    RecvCore,
+    Rehandshake,
+    Release,
+    Verify,
+)
 from kvhandoff.session.request_side import RequestSide
-from kvhandoff.session.status import Event, Status
-
-log = logging.getLogger("kvhandoff.session.receiver")
-
-_MAX_REHANDSHAKES = 2  # per request: "unknown decode peer" answered by a new handshake
+from kvhandoff.session.status import Status
 
 
 def route_dp(request_id: RequestId, dp_size: int) -> int:
@@ -99,59 +87,22 @@ def bootstrap_url(addr: str) -> str:
     return url.rstrip("/")
 
 
-@dataclass(slots=True)
-class _Writer:
-    """A prefill rank this request's indices went to."""
-
-    endpoint: str
-    rank: RankId
-    layout: Layout | None
-    chunks: set[int] = field(default_factory=set)  # chunks it reported written
-    last: int | None = None  # the chunk number its last status named
-    acked: bool = False  # confirmed no write in flight after a failure
-    verifying: int = 0  # checksum checks still running
-
-    @property
-    def done(self) -> bool:
-        """Every chunk up to its last reported: nothing of ours in flight."""
-        return self.last is not None and len(self.chunks) == self.last + 1
-
-    def count(self, chunk: int, last: bool) -> str | None:
-        """Record chunk ``chunk`` as written; a sentence if that cannot be. Statuses
-        that travel in band (:mod:`~kvhandoff.session.notices`) may overtake one another,
-        the last included: done once every chunk up to the last is in."""
-        if chunk in self.chunks:
-            return f"reported chunk {chunk} twice"
-        if last:
-            if self.last is not None:
-                return f"reported a last chunk twice ({self.last}, then {chunk})"
-            self.last = chunk
-        self.chunks.add(chunk)
-        if self.last is not None and max(self.chunks) > self.last:
-            return f"reported chunk {max(self.chunks)} after its last chunk {self.last}"
-        return None
-
-
 class Receiver(RequestSide):
     """See the module docstring."""
+
+    _core: RecvCore
 
     def __init__(self, agent: RankHost, bootstrap_addr: str, request_id: RequestId, *,
                  instance: str | None = None, dp_rank: int | None = None) -> None:
         super().__init__(agent, request_id, "decode")
+        self._core = RecvCore(request_id=request_id, facts=agent, created=self._created)
         self.url = bootstrap_url(bootstrap_addr)
         self.instance = instance or agent.config.instance
-        self._changed = self._created  # last progress, for the waiting/transfer timeouts
         self._group: PrefillGroup | None = None
+        self._regroup: PrefillGroup | None = None  # asked for by Rehandshake, not yet waited on
         self._dp_rank = dp_rank
-        self._init: TransferInit | None = None
-        self._aux_row: int | None = None
-        self._writers: dict[str, _Writer] = {}
-        self._aux_since: float | None = None  # every writer done; waiting for the aux row
         self._released = threading.Event()
         self._release_reason = ""
-        self._release_deadline: float | None = None
-        self.events["rehandshake"] = 0
-        self._resend: set[str] = set()  # prefill ranks to send the indices again, once handshaken
         agent.attach(self)
         self._find_group()
 
@@ -160,8 +111,7 @@ class Receiver(RequestSide):
     def poll(self) -> Status:
         """The request's status on this rank now; never blocks."""
         with self._lock:
-            if self._aux_since is not None and not self._sm.terminal:
-                self._check_aux(time.monotonic())
+            self._do(self._core.poll())
         return self._sm.state
 
     @property
@@ -187,25 +137,18 @@ class Receiver(RequestSide):
         malformed or incomplete set of lists, ``RuntimeError`` when called twice."""
         msg = self._build(indices, aux_row, decode_prefix_len)
         with self._lock:
-            if self._init is not None:
-                raise RuntimeError(f"Receiver {self.request_id!r}: init() called twice")
-            self._init, self._aux_row = msg, aux_row
-            if self._sm.terminal:
-                return
-            row = self._aux_view()
-            if row is not None:
-                aux.clear(row)
-            self._maybe_send()
+            self._do(self._core.init(msg, aux_row, time.monotonic(), self._ready_ranks()))
 
     @property
     def peers(self) -> list[str]:
-        return [f"{w.rank.instance}/tp{w.rank.tp_rank}" for w in list(self._writers.values())]
+        return [f"{w.rank.instance}/tp{w.rank.tp_rank}"
+                for w in list(self._core.writers.values())]
 
     def abort(self, reason: str = "aborted by the decode engine") -> None:
         """Fail the request and tell every prefill rank to stop; idempotent. Watch
         :attr:`released` before reusing the destination pages."""
         with self._lock:
-            self._fail(RequestAborted(f"request {self.request_id!r}: {reason}"))
+            self._do(self._core.abort(reason, time.monotonic()))
 
     def _build(self, indices: Mapping[str, object | None], aux_row: int | None,
                prefix: int) -> TransferInit:
@@ -236,12 +179,12 @@ class Receiver(RequestSide):
                             decode_prefix_len=prefix, expect_checksum=agent.config.checksum)
 
     def _aux_view(self) -> aux.U8 | None:
-        t = self.agent.aux_tensor
-        if t is None or self._aux_row is None:
+        t, row = self.agent.aux_tensor, self._core.aux_row
+        if t is None or row is None:
             return None
-        return self.agent.views.row(t, self._aux_row)
+        return self.agent.views.row(t, row)
 
-    # --- bootstrapping -------------------------------------------------------------------
+    # --- finding the prefill group ---------------------------------------------------------
 
     def _find_group(self) -> None:
         groups = self.agent.groups
@@ -258,7 +201,8 @@ class Receiver(RequestSide):
         size = self.agent.groups.dp_size(self.url, self.instance)
         if size is None:
             with self._lock:
-                self._fail(group.error or TransferFailed("prefill lookup failed"))
+                error = group.error or TransferFailed("prefill lookup failed")
+                self._do(self._core.group_failed(error, time.monotonic()))
             return
         self._use_group(route_dp(self.request_id, size))
 
@@ -266,261 +210,129 @@ class Receiver(RequestSide):
         groups = self.agent.groups
         with self._lock:
             self._dp_rank = dp
-            if self._sm.terminal:
+            if self._core.terminal:
                 return
             group = groups.get((self.url, self.instance, dp))
             self._group = group
         group.add_waiter(self._on_group)
 
+    def _ready_ranks(self) -> tuple[PrefillRank, ...] | None:
+        g = self._group
+        return g.ranks if g is not None and g.state is GroupState.READY else None
+
     def _on_group(self, group: PrefillGroup) -> None:
         with self._lock:
-            if group is not self._group or self._sm.terminal:
+            if group is not self._group:
                 return
+            now = time.monotonic()
             if group.state is GroupState.FAILED:
                 assert group.error is not None
-                self._fail(group.error)
+                if not self._core.terminal:
+                    self._do(self._core.group_failed(group.error, now))
             else:
-                self._maybe_send()
+                self._do(self._core.group_ready(group.ranks, now))
 
-    def _maybe_send(self) -> None:
-        g = self._group
-        if (self._init is None or g is None or g.state is not GroupState.READY
-                or self._sm.state is not Status.BOOTSTRAPPING):
-            return
-        for r in g.ranks:
-            self._writers[r.endpoint] = _Writer(r.endpoint, r.rank, r.layout)
-        self.timeline.mark(tl.ASKED)
-        for r in g.ranks:
-            self.agent.post(r.endpoint, self._init)
-        self._changed = time.monotonic()
-        self._sm.fire(Event.BOOTSTRAPPED)
+    def _on_regroup(self, group: PrefillGroup) -> None:
+        with self._lock:
+            if group is not self._group:
+                return
+            now = time.monotonic()
+            if group.state is GroupState.FAILED:
+                assert group.error is not None
+                self._do(self._core.regroup_failed(group.error, now))
+            else:
+                self._do(self._core.regroup(group.ranks, now))
 
     # --- from the agent and its desk (their threads; not for the engine) ----------------
 
     def on_status(self, endpoint: str, msg: TransferStatus) -> None:
         with self._lock:
-            w = self._writers.get(endpoint)
-            if w is None or self._sm.terminal:
-                return
-            if msg.outcome is Outcome.FAILED:
-                # it stops writing; its AbortAck (not this status) says nothing is in flight
-                self._fail(TransferFailed(f"request {self.request_id!r}: prefill {msg.rank} "
-                                          f"failed (chunk {msg.chunk}): {msg.reason}"))
-                return
-            problem = w.count(msg.chunk, msg.last)
-            if problem is not None:
-                self._fail(TransferFailed(f"request {self.request_id!r}: prefill {msg.rank} "
-                                          f"{problem}"))
-                return
-            self._changed = time.monotonic()
-            self.nbytes += msg.nbytes
-            if self._init is not None and self._init.expect_checksum:
-                if msg.checksums is None or msg.indices is None:
-                    self._fail(ChecksumMismatch(
-                        f"request {self.request_id!r}: checksums were asked for but prefill "
-                        f"{msg.rank} sent none with chunk {msg.chunk}"))
-                    return
-                w.verifying += 1
-                self.agent.spawn(lambda: self._verify(w, msg))
-            if self._sm.state is Status.WAITING_FOR_INPUT:
-                self._sm.fire(Event.CHUNK_DONE)
-            self._maybe_succeed()
+            self._do(self._core.chunk_status(endpoint, msg, time.monotonic()))
 
     def on_abort(self, who: str, reason: str) -> None:
         with self._lock:
-            self._fail(RequestAborted(f"request {self.request_id!r} aborted by prefill {who}: "
-                                      f"{reason}"))
+            self._do(self._core.prefill_aborted(who, reason, time.monotonic()))
 
     def on_abort_ack(self, endpoint: str) -> None:
         with self._lock:
-            w = self._writers.get(endpoint)
-            if w is not None:
-                w.acked = True
-                self._maybe_released()
+            self._do(self._core.abort_ack(endpoint))
 
     def on_rejected(self, endpoint: str, reason: str) -> None:
         with self._lock:
-            if endpoint in self._writers:
-                self._writers[endpoint].acked = True  # it refused: it never wrote
-                self._fail(RequestRejected(f"request {self.request_id!r}: prefill {endpoint} "
-                                           f"refused it: {reason}"))
+            self._do(self._core.rejected(endpoint, reason, time.monotonic()))
 
     def on_unknown_peer(self, endpoint: str, reason: str) -> None:
         """A prefill rank answered our indices "unknown decode peer": it lost our
         handshake (it restarted). Handshake with the group again, then send the indices
-        to that rank again — transparently, at most ``_MAX_REHANDSHAKES`` times per
+        to that rank again — transparently, at most ``MAX_REHANDSHAKES`` times per
         request; after that (or if it had already written for us) the request fails as
         rejected."""
         with self._lock:
-            w = self._writers.get(endpoint)
-            group = self._group
-            if w is None or group is None or self._init is None or self._sm.terminal:
-                return
-            done = self.events["rehandshake"]
-            if w.chunks or done >= _MAX_REHANDSHAKES:
-                again = f" (after {done} new handshake(s))" if done else ""
-                self.on_rejected(endpoint, reason + again)
-                return
-            self.events["rehandshake"] += 1
-            self._resend.add(endpoint)
-            group = self.agent.groups.get(group.key)  # the agent dropped the stale one
-            self._group = group
-            log.info("request %r: prefill %s forgot our handshake; handshaking again",
-                     self.request_id, endpoint)
-        group.add_waiter(self._on_regroup)
-
-    def _on_regroup(self, group: PrefillGroup) -> None:
-        with self._lock:
-            if group is not self._group or self._sm.terminal or self._init is None:
-                return
-            if group.state is GroupState.FAILED:
-                assert group.error is not None
-                self._fail(group.error)
-                return
-            ranks = {r.endpoint: r for r in group.ranks}
-            if set(ranks) != set(self._writers):
-                self._fail(TransferFailed(
-                    f"request {self.request_id!r}: after a new handshake the prefill group "
-                    f"is {sorted(ranks)}, not the {sorted(self._writers)} the indices went "
-                    f"to"))
-                return
-            resend, self._resend = self._resend, set()
-            for ep in sorted(resend):
-                w = self._writers[ep]
-                w.rank, w.layout = ranks[ep].rank, ranks[ep].layout
-                self.agent.post(ep, self._init)
-            self._changed = time.monotonic()
+            self._do(self._core.unknown_peer(endpoint, reason, time.monotonic()))
+            group, self._regroup = self._regroup, None
+        if group is not None:
+            group.add_waiter(self._on_regroup)
 
     def on_peer_lost(self, endpoint: str, reason: str) -> None:
         with self._lock:
-            w = self._writers.get(endpoint)
-            if w is not None and not self._sm.terminal:
-                self._fail(PeerLost(f"request {self.request_id!r}: prefill {w.rank}: {reason}"))
+            self._do(self._core.peer_lost(endpoint, reason, time.monotonic()))
 
     def on_agent_closed(self) -> None:
         with self._lock:
-            self._fail(AgentClosed(f"request {self.request_id!r}: the decode agent closed"))
-            if not self._released.is_set():
-                self._release("the agent closed; no write can be waited for any more")
+            self._do(self._core.agent_closed(time.monotonic()))
 
     def peer_endpoints(self) -> set[str]:
         with self._lock:
-            if self._released.is_set():
-                return set()
-            return {e for e, w in self._writers.items() if not (w.done or w.acked)}
+            return self._core.peer_endpoints()
 
     def on_tick(self, now: float) -> None:
         with self._lock:
-            cfg = self.agent.config
-            state = self._sm.state
-            if state is Status.BOOTSTRAPPING and now - self._created > self._bootstrap_limit():
-                what = "init() was never called" if self._init is None else \
-                    "the prefill ranks were not found and handshaken"
-                self._fail(RequestTimeout(f"request {self.request_id!r}: bootstrap_timeout "
-                                          f"({cfg.bootstrap_timeout:g} s) passed; {what}"))
-            elif state is Status.WAITING_FOR_INPUT and now - self._changed > cfg.waiting_timeout:
-                self._fail(RequestTimeout(f"request {self.request_id!r}: no chunk from prefill "
-                                          f"within waiting_timeout ({cfg.waiting_timeout:g} s)"))
-            elif state is Status.TRANSFERRING and self._aux_since is not None:
-                self._check_aux(now)
-            elif state is Status.TRANSFERRING and now - self._changed > cfg.transfer_timeout:
-                left = [str(w.rank) for w in self._writers.values() if not w.done]
-                self._fail(RequestTimeout(
-                    f"request {self.request_id!r}: no progress for transfer_timeout "
-                    f"({cfg.transfer_timeout:g} s); still waiting for {', '.join(left)}"))
-            if (self._sm.state is Status.FAILED and not self._released.is_set()
-                    and self._release_deadline is not None and now > self._release_deadline):
-                silent = [str(w.rank) for w in self._writers.values() if not (w.done or w.acked)]
-                self._release(f"release_timeout ({cfg.release_timeout:g} s) passed without an "
-                              f"AbortAck from {', '.join(silent)}; a late write was possible "
-                              f"until now")
+            g = self._group
+            connecting = g is None or g.state is GroupState.CONNECTING
+            self._do(self._core.tick(now, connecting))
 
-    def _bootstrap_limit(self) -> float:
-        """bootstrap_timeout, plus a grace while the group is still connecting: its own
-        deadline (no later than ours) ends it with the specific reason (server down,
-        instance unknown, a rank rejected the handshake), which is the better message."""
-        t = self.agent.config.bootstrap_timeout
-        connecting = self._group is None or self._group.state is GroupState.CONNECTING
-        return t + max(1.0, 0.25 * t) if connecting else t
+    # --- the core's effects (under the lock) ---------------------------------------------
 
-    # --- success, checksums, aux (under the lock) --------------------------------------
+    def _carry_out(self, effect: object) -> list[object]:
+        match effect:
+            case ClearGuard():
+                row = self._aux_view()
+                if row is not None:
+                    aux.clear(row)
+            case CheckGuard():
+                row = self._aux_view()
+                state, detail = (aux.AuxState.OK, "") if row is None else \
+                    aux.check(row, self.request_id)
+                return self._core.guard(state, detail, time.monotonic())
+            case Verify(endpoint=endpoint, msg=msg, layout=layout):
+                self.agent.spawn(lambda: self._verify(endpoint, msg, layout))
+            case Rehandshake():
+                assert self._group is not None
+                # the agent dropped the stale group: this is a fresh one
+                self._group = self._regroup = self.agent.groups.get(self._group.key)
+            case Release(reason=reason):
+                self._release_reason = reason
+                self._released.set()
+                self.agent.finished(self)
+            case _:
+                return super()._carry_out(effect)
+        return []
 
-    def _verify(self, w: _Writer, msg: TransferStatus) -> None:
-        """Rebuild the chunk's plan and compare digests (worker thread)."""
-        problem: SessionError | None = None
+    def _verify(self, endpoint: str, msg: TransferStatus, layout: Layout | None) -> None:
+        """Rebuild the chunk's plan and digest the destination bytes (worker thread)."""
+        got: dict[str, int] | None = None
+        cannot: str | None = None
         try:
             assert msg.checksums is not None and msg.indices is not None
-            if w.layout is None:
+            if layout is None:
                 raise ValueError("prefill sent no layout in its HelloAck")
             req: dict[str, Indices | None] = {c.name: None for c in self.agent.layout.components}
             for name, pim in msg.indices.items():
                 if name not in req:
                     raise ValueError(f"checksum for unknown component {name!r}")
                 req[name] = pim.to_indices()
-            got = plan_digests(plan(w.layout, self.agent.layout, req), "dst", self.agent.views)
-            bad = [f"component {n!r}: decode bytes crc32 {got[n]:#010x}, prefill sent "
-                   f"{crc:#010x}" for n, crc in sorted(msg.checksums.items())
-                   if n in got and got[n] != crc]
-            if bad:
-                problem = ChecksumMismatch(f"request {self.request_id!r} chunk {msg.chunk} from "
-                                           f"prefill {w.rank}: " + "; ".join(bad))
+            got = plan_digests(plan(layout, self.agent.layout, req), "dst", self.agent.views)
         except (HandoffError, ValueError) as e:
-            problem = ChecksumMismatch(f"request {self.request_id!r} chunk {msg.chunk} from "
-                                       f"prefill {w.rank}: cannot check: {e}")
+            cannot = str(e)
         with self._lock:
-            w.verifying -= 1
-            if problem is not None:
-                self.events["checksum_mismatch"] += 1
-                self._fail(problem)
-            else:
-                self._maybe_succeed()
-
-    def _maybe_succeed(self) -> None:
-        if self._sm.terminal or not self._writers:
-            return
-        if all(w.done and not w.verifying for w in self._writers.values()):
-            self._aux_since = self._aux_since or time.monotonic()
-            self._check_aux(time.monotonic())
-
-    def _check_aux(self, now: float) -> None:
-        assert self._aux_since is not None
-        row = self._aux_view()
-        state, detail = (aux.AuxState.OK, "") if row is None else aux.check(row, self.request_id)
-        if state is aux.AuxState.OK:
-            self.timeline.mark(tl.LANDED)
-            self._sm.fire(Event.ALL_DONE)
-            self._release("the request succeeded")
-        elif state is not aux.AuxState.EMPTY:
-            self._fail(AuxMismatch(f"request {self.request_id!r}: aux row {self._aux_row} "
-                                   f"{state.value}: {detail}"))
-        elif now - self._aux_since > self.agent.config.transfer_timeout:
-            self._fail(AuxMismatch(
-                f"request {self.request_id!r}: every prefill rank reported success but aux row "
-                f"{self._aux_row} never showed the request's guard "
-                f"(transfer_timeout {self.agent.config.transfer_timeout:g} s): {detail}"))
-
-    # --- failure and release (under the lock) -------------------------------------------
-
-    def _fail(self, error: SessionError) -> None:
-        if not self._mark_failed(error):
-            return
-        for ep, w in self._writers.items():
-            if not (w.done or w.acked):
-                self.agent.post(ep, Abort(request_id=self.request_id, rank=self.agent.rank_id,
-                                          reason=str(error)[:2000]))
-        self._release_deadline = time.monotonic() + self.agent.config.release_timeout
-        self._maybe_released()
-
-    def _maybe_released(self) -> None:
-        if self._released.is_set() or self._sm.state is not Status.FAILED:
-            return
-        if all(w.done or w.acked for w in self._writers.values()):
-            self._release("every prefill rank confirmed no write in flight" if self._writers
-                          else "no prefill rank was sent the indices")
-
-    def _release(self, reason: str) -> None:
-        if self._released.is_set():
-            return
-        self._release_reason = reason
-        self._released.set()
-        self.agent.finished(self)
+            self._do(self._core.verified(endpoint, msg, got, cannot, time.monotonic()))

@@ -1,26 +1,35 @@
-"""What a Sender and a Receiver share: one request's identity, status and failure.
+"""What a Sender and a Receiver share: one request's identity, status, failure and shell.
 
-Each side of a request owns a :class:`~kvhandoff.session.status.StateMachine` and, once
-failed, the error that failed it; the engine reads both the same way on either side.
-Its rank's agent is a :class:`~kvhandoff.session.host.RankHost`: the request never
-imports the agent."""
+Each side of a request is a thin shell around a sans-IO core
+(:class:`~kvhandoff.session.request_core.CoreBase`): the shell holds the request's lock,
+feeds the core events and carries out the effects it returns, in order (:meth:`_do`).
+It owns a :class:`~kvhandoff.session.status.StateMachine` that mirrors the core's status,
+so that the engine's threads can wait on it. Its rank's agent is a
+:class:`~kvhandoff.session.host.RankHost`: the request never imports the agent."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
+from collections.abc import Iterable
 
 from kvhandoff.observe.timeline import Timeline
 from kvhandoff.protocol import RequestId
-from kvhandoff.session.errors import RequestAborted, SessionError
+from kvhandoff.session.errors import SessionError
 from kvhandoff.session.host import RankHost
-from kvhandoff.session.status import Event, StateMachine, Status
+from kvhandoff.session.request_core import CoreBase, Fail, Fire, Mark, Post
+from kvhandoff.session.status import StateMachine, Status
 
 
 class RequestSide:
-    """One rank's view of one request (base of :class:`Sender` and :class:`Receiver`)."""
+    """One rank's view of one request (base of :class:`Sender` and :class:`Receiver`).
+
+    A subclass sets ``_core`` in its ``__init__`` and carries out its role's own effects
+    in :meth:`_carry_out`."""
+
+    _core: CoreBase
 
     def __init__(self, agent: RankHost, request_id: RequestId, role: str) -> None:
         if agent.role.value != role:
@@ -32,11 +41,7 @@ class RequestSide:
         self.request_id = request_id
         self._lock = threading.RLock()
         self._sm = StateMachine(name=f"{role} request {request_id!r}")
-        self._error: SessionError | None = None
         self.timeline = Timeline()  # when this request reached each event on this rank
-        self.nbytes = 0  # bytes this rank's side has seen land (written / reported written)
-        # notable events, for reports: "rehandshake", "refused_write", "checksum_mismatch"
-        self.events: Counter[str] = Counter()
         self.component_bytes: Counter[str] = Counter()  # bytes planned per component
         self._created = time.monotonic()
 
@@ -63,7 +68,7 @@ class RequestSide:
     @property
     def error(self) -> SessionError | None:
         """Why the request failed (None unless FAILED)."""
-        return self._error
+        return self._core.error
 
     @property
     def reason(self) -> str | None:
@@ -72,15 +77,42 @@ class RequestSide:
     @property
     def failure(self) -> str | None:
         """The class name of the error that failed the request (None: it did not fail)."""
-        return None if self._error is None else type(self._error).__name__
+        error = self._core.error
+        return None if error is None else type(error).__name__
 
-    def _mark_failed(self, error: SessionError) -> bool:
-        """Move to FAILED (an abort as ABORT) with ``error`` and log it in the subclass's
-        module logger; False when the request had already ended (the first reason
-        stays). Caller holds the request lock and does its side's clean-up after."""
-        event = Event.ABORT if isinstance(error, RequestAborted) else Event.FAIL
-        if not self._sm.fail(str(error), event=event):
-            return False
-        self._error = error
-        logging.getLogger(type(self).__module__).info("%s failed: %s", self, error)
-        return True
+    @property
+    def nbytes(self) -> int:
+        """Bytes this rank's side has seen land (written / reported written)."""
+        return self._core.nbytes
+
+    @property
+    def events(self) -> Counter[str]:
+        """Notable events, for reports: "rehandshake", "refused_write", "checksum_mismatch"."""
+        return self._core.events
+
+    def _do(self, effects: Iterable[object]) -> None:
+        """Carry out ``effects`` in order; what carrying one out returns (the core's
+        answer to its result) runs next, before the rest. Caller holds the lock."""
+        todo = deque(effects)
+        while todo:
+            more = self._carry(todo.popleft())
+            todo.extendleft(reversed(more))
+
+    def _carry(self, effect: object) -> list[object]:
+        match effect:
+            case Post(endpoint=endpoint, msg=msg):
+                self.agent.post(endpoint, msg)
+            case Fire(event=event):
+                self._sm.fire(event)
+            case Fail(error=error):
+                self._sm.fail(str(error), event=effect.event)
+                logging.getLogger(type(self).__module__).info("%s failed: %s", self, error)
+            case Mark(name=name):
+                self.timeline.mark(name)
+            case _:
+                return self._carry_out(effect)
+        return []
+
+    def _carry_out(self, effect: object) -> list[object]:
+        """Carry out one of the role's own effects; returns the core's answer."""
+        raise TypeError(f"{type(self).__name__}: no way to carry out {effect!r}")
