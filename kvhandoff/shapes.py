@@ -5,16 +5,21 @@ Pure: numpy only, no I/O, no memory unless the caller's allocator makes some.
 * :class:`ModelShape` describes a model's per-request state (which layer keeps what,
   with the published head counts and dims). Named shapes: :data:`SHAPES`
   (``qwen3_next``, ``nemotron_h``, ``gpt_oss``, ``deepseek_v32``, ``deepseek_v4``,
-  ``llama``, ``kimi_linear``, ``jamba``); :func:`tiny` shrinks one to a few layers and small
-  dims with the same structure (same layer kinds, same sharding groups).
+  ``llama``, ``kimi_linear``, ``jamba``, ``lfm2``, ``gemma4``, ``mimo_v2_flash``,
+  ``inkling``);
+  :func:`tiny` shrinks one to a few layers and small dims with the same structure (same
+  layer kinds, same sharding groups).
 * :func:`layout_for` builds the :class:`~kvhandoff.layout.Layout` one TP/PP rank
   registers, following the pool layouts of sglang (``sglang_facts.md`` §2):
   MHA K and V pages per layer (NHD, head-sharded, GQA-replicated when TP exceeds
-  the KV heads), MLA pages (replicated), NSA indexer pages (opaque), Mamba2 / GDN /
-  KDA conv and SSM slots (sharded per sub-block), Mamba1 slots (sharded by d_inner),
-  SWA pages, the DeepSeek-V4 set and one aux row per request. Addresses come from
-  ``alloc(nbytes) -> ptr``; the default :class:`FakeAllocator` hands out aligned
-  addresses and allocates nothing, so benchmarks can plan layouts of real size.
+  the KV heads; each layer's pages in its KV group's shape, so K/V head counts and head
+  dims may differ between layers and between K and V), MLA pages (replicated), NSA
+  indexer pages (opaque), Mamba2 / GDN / KDA conv and SSM slots (sharded per sub-block),
+  Mamba1 slots (sharded by d_inner), short-conv slots (by channel; beside attention, by
+  what each conv runs over), SWA pages, the DeepSeek-V4 set and one aux row per
+  request. Addresses come from ``alloc(nbytes) -> ptr``; the default
+  :class:`FakeAllocator` hands out aligned addresses and allocates nothing, so
+  benchmarks can plan layouts of real size.
 * :func:`request_for` builds the request (component name -> :class:`Indices`) of a
   sequence of N tokens for a pair of layouts, with contiguous or random page ids,
   SWA window pages, the Mamba slot, ring rows and positions, and the aux row. It
@@ -59,8 +64,13 @@ class LayerKind(enum.StrEnum):
     MAMBA2 = "mamba2"  # Mamba2: conv [x|B|C] + SSM slot (Nemotron-H)
     MAMBA1 = "mamba1"  # Mamba1: conv [d_inner] + SSM [d_inner, state] slot (Jamba)
     ATTN_MAMBA2 = "attn_mamba2"  # attention K/V pages and a Mamba2 slot in one layer (Falcon-H1)
+    ATTN_MAMBA1 = "attn_mamba1"  # attention K/V pages and a Mamba1 slot in one layer (Zamba)
     KDA = "kda"  # Kimi delta attention: transposed conv + SSM slot
     SHORT_CONV = "short_conv"  # short convolution: a conv [channels, K-1] slot, no SSM (LFM2)
+    # attention K/V pages (full / sliding window) and the layer's short-conv slots
+    # (ModelShape.layer_convs: Inkling's convs over K, V and the residual stream)
+    ATTN_SHORT_CONV = "attn_short_conv"
+    SWA_SHORT_CONV = "swa_short_conv"
     MLP = "mlp"  # no per-request state
     DSV4_W = "dsv4_w"  # DeepSeek-V4 window-only layer (compress ratio 0)
     DSV4_C4 = "dsv4_c4"  # DeepSeek-V4 ratio-4 layer (+ indexer)
@@ -68,10 +78,64 @@ class LayerKind(enum.StrEnum):
 
 
 _LINEAR = (LayerKind.GDN, LayerKind.MAMBA2, LayerKind.KDA, LayerKind.MAMBA1,
-           LayerKind.ATTN_MAMBA2)
-_MHA = (LayerKind.ATTN, LayerKind.ATTN_MAMBA2)  # layers with full-attention K/V pages
+           LayerKind.ATTN_MAMBA2, LayerKind.ATTN_MAMBA1)
+_MHA = (LayerKind.ATTN, LayerKind.ATTN_MAMBA2, LayerKind.ATTN_MAMBA1,
+        LayerKind.ATTN_SHORT_CONV)  # layers with full-attention K/V pages
+_SWA = (LayerKind.SWA, LayerKind.SWA_SHORT_CONV)  # layers with sliding-window K/V pages
 _M2 = (LayerKind.MAMBA2, LayerKind.ATTN_MAMBA2)  # layers with a Mamba2 slot
+_M1 = (LayerKind.MAMBA1, LayerKind.ATTN_MAMBA1)  # layers with a Mamba1 slot
+_CONV_BANK = (LayerKind.ATTN_SHORT_CONV, LayerKind.SWA_SHORT_CONV)  # layers with layer_convs
 _DSV4 = (LayerKind.DSV4_W, LayerKind.DSV4_C4, LayerKind.DSV4_C128)
+_KV_PAGES = (*_MHA, *_SWA)  # layers with MHA K/V pages (full or window)
+
+
+class ConvInput(enum.StrEnum):
+    """What a layer's short convolution runs over, which decides how TP shards its state."""
+
+    KEYS = "keys"  # the K projection: the layer's kv_heads x head_dim, sharded by KV heads
+    VALUES = "values"  # the V projection: kv_heads x v_head_dim, sharded by KV heads
+    HIDDEN = "hidden"  # the residual stream (after an all-reduce): replicated on every rank
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LayerConv:
+    """One short-convolution state an attention + short-conv layer keeps: a conv slot
+    ``[channels, kernel-1]`` named ``name`` in the ``short_conv`` component. The channels
+    follow ``input``: K or V heads of the layer's KV group (head-sharded like the K/V
+    pages, GQA-replicated past the heads) or ``hidden_size`` (replicated)."""
+
+    name: str
+    input: ConvInput
+    kernel: int
+
+    def __post_init__(self) -> None:
+        if not self.name or self.kernel < 2:
+            raise LayoutError(f"layer conv {self}: needs a name and a kernel above 1")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KVGroup:
+    """Attention layers whose K/V pages have another shape than the model's default
+    (:attr:`ModelShape.kv_heads` / ``head_dim`` / ``v_head_dim``): Gemma 4's full layers
+    (head_dim 512 beside 256), MiMo-V2-Flash's full layers (fewer KV heads than its
+    sliding ones). Each layer's K and V tensors carry their group's shape and are
+    head-sharded by the group's own KV heads, so groups replicate independently under
+    GQA (one group sharded while another is replicated at the same TP)."""
+
+    layers: tuple[int, ...]
+    kv_heads: int
+    head_dim: int  # K head dim
+    v_head_dim: int = 0  # 0: head_dim
+
+    def __post_init__(self) -> None:
+        if not self.layers or min(self.kv_heads, self.head_dim, self.v_head_dim) < 0 \
+                or not (self.kv_heads and self.head_dim):
+            raise LayoutError(f"KV group {self}: needs layers, kv_heads and head_dim")
+
+    @property
+    def geometry(self) -> tuple[int, int, int]:
+        """``(kv_heads, k_head_dim, v_head_dim)``."""
+        return (self.kv_heads, self.head_dim, self.v_head_dim or self.head_dim)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -82,7 +146,9 @@ class ModelShape:
     layers: tuple[LayerKind, ...]
     # MHA / GQA attention (full and sliding-window layers)
     kv_heads: int = 0
-    head_dim: int = 0
+    head_dim: int = 0  # K head dim (and V's unless v_head_dim says otherwise)
+    v_head_dim: int = 0  # 0: head_dim (MiMo-V2-Flash: K 192, V 128)
+    kv_groups: tuple[KVGroup, ...] = ()  # attention layers of other K/V shapes
     kv_dtype_bytes: int = 2
     sliding_window: int = 0  # tokens (SWA layers, DSv4 window)
     # MLA latent row (kv_lora_rank + qk_rope_head_dim, in bytes) and the DSA/NSA indexer
@@ -105,6 +171,9 @@ class ModelShape:
     # short convolutions (LFM2): channels (TP-sharded) and kernel width of the conv slot
     short_conv_channels: int = 0
     short_conv_kernel: int = 0
+    # attention + short-conv layers (ATTN_SHORT_CONV / SWA_SHORT_CONV): their conv slots
+    layer_convs: tuple[LayerConv, ...] = ()
+    hidden_size: int = 0  # channels of a ConvInput.HIDDEN conv
     ssm_dtype_bytes: int = 4
     # DeepSeek-V4
     dsv4_kv_row_bytes: int = 0  # compressed / SWA KV row: 448 fp8 nope + 64 bf16 rope
@@ -119,18 +188,38 @@ class ModelShape:
         if self.has(*_MHA) and LayerKind.MLA in self.layers:
             raise LayoutError(f"shape {self.name!r}: MHA and MLA layers would share component 'kv'")
         linear = {k for k in self.layers if k in _LINEAR}
-        families = {LayerKind.MAMBA2 if k is LayerKind.ATTN_MAMBA2 else k for k in linear}
-        if len(families) > 1 and linear & {LayerKind.MAMBA1, LayerKind.ATTN_MAMBA2}:
+        alone = {LayerKind.ATTN_MAMBA2: LayerKind.MAMBA2, LayerKind.ATTN_MAMBA1: LayerKind.MAMBA1}
+        families = {alone.get(k, k) for k in linear}
+        if len(families) > 1 and linear & {*_M1, LayerKind.ATTN_MAMBA2}:
             raise LayoutError(
                 f"shape {self.name!r}: linear layers of kinds {sorted(k.value for k in families)} "
                 f"would share the 'mamba' component's one conv / SSM geometry")
-        if self.has(LayerKind.MAMBA1) and not (self.mamba_intermediate and self.mamba_state):
+        if self.has(*_M1) and not (self.mamba_intermediate and self.mamba_state):
             raise LayoutError(f"shape {self.name!r}: Mamba1 layers need mamba_intermediate and "
                               f"mamba_state")
         if self.has(LayerKind.SHORT_CONV) and not (self.short_conv_channels
                                                      and self.short_conv_kernel > 1):
             raise LayoutError(f"shape {self.name!r}: short-conv layers need short_conv_channels "
                               f"and a short_conv_kernel above 1")
+        if self.has(*_CONV_BANK) != bool(self.layer_convs):
+            raise LayoutError(f"shape {self.name!r}: layer_convs go with attention + short-conv "
+                              f"layers ({LayerKind.ATTN_SHORT_CONV.value}, "
+                              f"{LayerKind.SWA_SHORT_CONV.value}) and only with them")
+        names = [c.name for c in self.layer_convs]
+        if len(set(names)) != len(names) or "conv" in names:
+            raise LayoutError(f"shape {self.name!r}: layer conv names {names} repeat or take "
+                              f"the short-conv layers' 'conv'")
+        if any(c.input is ConvInput.HIDDEN for c in self.layer_convs) and not self.hidden_size:
+            raise LayoutError(f"shape {self.name!r}: a conv over the hidden stream needs "
+                              f"hidden_size")
+        grouped = [i for g in self.kv_groups for i in g.layers]
+        if len(set(grouped)) != len(grouped):
+            raise LayoutError(f"shape {self.name!r}: a layer is in two KV groups {self.kv_groups}")
+        bad = [i for i in grouped
+               if not 0 <= i < len(self.layers) or self.layers[i] not in _KV_PAGES]
+        if bad:
+            raise LayoutError(f"shape {self.name!r}: KV group layers {bad} are no attention "
+                              f"layers with K/V pages")
         for i in self.index_elided_layers:
             if not 0 <= i < len(self.layers) or self.layers[i] is not LayerKind.MLA:
                 raise LayoutError(f"shape {self.name!r}: elided indexer layer {i} is no MLA layer")
@@ -145,6 +234,14 @@ class ModelShape:
     def has(self, *kinds: LayerKind) -> bool:
         return any(k in kinds for k in self.layers)
 
+    def kv_geometry(self, layer: int) -> tuple[int, int, int]:
+        """``(kv_heads, k_head_dim, v_head_dim)`` of attention layer ``layer``: its KV
+        group's, else the model's default."""
+        for g in self.kv_groups:
+            if layer in g.layers:
+                return g.geometry
+        return (self.kv_heads, self.head_dim, self.v_head_dim or self.head_dim)
+
     # derived sizes -------------------------------------------------------------------
     @property
     def conv_groups(self) -> tuple[int, ...]:
@@ -154,7 +251,7 @@ class ModelShape:
             vd = self.linear_v_heads * self.linear_v_dim
             # GDN: cat[q|k|v] (key_dim, key_dim, value_dim); KDA: (proj, proj_k, proj_k)
             return (kd, kd, vd) if self.has(LayerKind.GDN) else (vd, kd, kd)
-        if self.has(LayerKind.MAMBA1):
+        if self.has(*_M1):
             return (self.mamba_intermediate,)  # one channel axis, sharded by d_inner
         inter = self.mamba_heads * self.mamba_head_dim
         gn = self.mamba_groups * self.mamba_state
@@ -163,14 +260,14 @@ class ModelShape:
     @property
     def ssm_heads(self) -> int:
         """Length of the SSM state's sharded axis (Mamba1: d_inner rows)."""
-        if self.has(LayerKind.MAMBA1):
+        if self.has(*_M1):
             return self.mamba_intermediate
         return self.mamba_heads if self.has(*_M2) else self.linear_v_heads
 
     @property
     def ssm_head_bytes(self) -> int:
         """Bytes of one unit of the SSM state's sharded axis."""
-        if self.has(LayerKind.MAMBA1):
+        if self.has(*_M1):
             return self.mamba_state * self.ssm_dtype_bytes
         if self.has(*_M2):
             return self.mamba_head_dim * self.mamba_state * self.ssm_dtype_bytes
@@ -264,11 +361,46 @@ LFM2 = ModelShape(
                  for i in range(16)),
     kv_heads=8, head_dim=64, short_conv_channels=2048, short_conv_kernel=3,
 )
+_GEMMA4_FULL = tuple(range(5, 30, 6))
+GEMMA4 = ModelShape(
+    # Gemma 4 (transformers' default Gemma4TextConfig): 30 layers, every sixth full
+    # attention with head_dim 512, sliding-window (512) layers with head_dim 256; 4 KV heads.
+    name="gemma4",
+    layers=tuple(LayerKind.ATTN if i in _GEMMA4_FULL else LayerKind.SWA for i in range(30)),
+    kv_heads=4, head_dim=256, sliding_window=512,
+    kv_groups=(KVGroup(layers=_GEMMA4_FULL, kv_heads=4, head_dim=512),),
+)
+_MIMO_FULL = (0, *range(5, 48, 6))
+MIMO_V2_FLASH = ModelShape(
+    # MiMo-V2-Flash: 48 layers, full attention at 0, 5, 11, ... 47 with 4 KV heads,
+    # sliding-window (128) layers with 8; K head dim 192, V head dim 128.
+    name="mimo_v2_flash",
+    layers=tuple(LayerKind.ATTN if i in _MIMO_FULL else LayerKind.SWA for i in range(48)),
+    kv_heads=8, head_dim=192, v_head_dim=128, sliding_window=128,
+    kv_groups=(KVGroup(layers=_MIMO_FULL, kv_heads=4, head_dim=192, v_head_dim=128),),
+)
+_INKLING_FULL = tuple(range(5, 66, 6))
+INKLING = ModelShape(
+    # Inkling (transformers' default InklingTextConfig): 66 layers, every sixth full
+    # attention (8 KV heads x 128), sliding-window (512) layers with 16 KV heads x 128;
+    # every layer also keeps four short convolutions (kernel 4): over its K and V
+    # projections (head-sharded) and over the 6144-wide residual stream twice (replicated).
+    name="inkling",
+    layers=tuple(LayerKind.ATTN_SHORT_CONV if i in _INKLING_FULL else LayerKind.SWA_SHORT_CONV
+                 for i in range(66)),
+    kv_heads=16, head_dim=128, sliding_window=512,
+    kv_groups=(KVGroup(layers=_INKLING_FULL, kv_heads=8, head_dim=128),),
+    layer_convs=(LayerConv(name="conv0", input=ConvInput.KEYS, kernel=4),
+                 LayerConv(name="conv1", input=ConvInput.VALUES, kernel=4),
+                 LayerConv(name="conv2", input=ConvInput.HIDDEN, kernel=4),
+                 LayerConv(name="conv3", input=ConvInput.HIDDEN, kernel=4)),
+    hidden_size=6144,
+)
 
 SHAPES: dict[str, ModelShape] = {
     s.name: s
     for s in (QWEN3_NEXT, NEMOTRON_H, GPT_OSS, DEEPSEEK_V32, DEEPSEEK_V4, LLAMA, KIMI_LINEAR,
-              JAMBA, LFM2)
+              JAMBA, LFM2, GEMMA4, MIMO_V2_FLASH, INKLING)
 }
 
 
@@ -304,12 +436,21 @@ def tiny(shape: ModelShape, *, num_layers: int | None = None) -> ModelShape:
     def dim(d: int, small: int) -> int:
         return min(d, small) if d else 0
 
+    def head(d: int) -> int:  # a head dim, keeping its ratio to the default head_dim
+        return max(1, round(dim(shape.head_dim, 8) * d / shape.head_dim)) if d else 0
+
     return replace(
         shape,
         name=f"tiny_{shape.name}",
         layers=layers,
         kv_heads=heads(shape.kv_heads),
         head_dim=dim(shape.head_dim, 8),
+        v_head_dim=head(shape.v_head_dim),
+        kv_groups=tuple(replace(g, layers=kept, kv_heads=heads(g.kv_heads),
+                                head_dim=head(g.head_dim), v_head_dim=head(g.v_head_dim))
+                        for g in shape.kv_groups
+                        if (kept := tuple(i for i in range(n)
+                                          if i % shape.num_layers in g.layers))),
         sliding_window=dim(shape.sliding_window, 16),
         mla_row_bytes=dim(shape.mla_row_bytes, 40),
         index_row_bytes=dim(shape.index_row_bytes, 12),
@@ -324,6 +465,7 @@ def tiny(shape: ModelShape, *, num_layers: int | None = None) -> ModelShape:
         mamba_groups=heads(shape.mamba_groups),
         mamba_state=dim(shape.mamba_state, 4),
         short_conv_channels=dim(shape.short_conv_channels, 16),
+        hidden_size=dim(shape.hidden_size, 16),
         dsv4_kv_row_bytes=dim(shape.dsv4_kv_row_bytes, 24),
         dsv4_head_dim=dim(shape.dsv4_head_dim, 4),
         dsv4_index_head_dim=dim(shape.dsv4_index_head_dim, 2),
@@ -417,13 +559,13 @@ def layout_for(
         if shape.index_row_bytes:
             comps.append(Component(type=StateType.NSA, name="nsa", tensors=tuple(
                 b.nsa(mine, page_size, num_pages))))
-    if shape.has(LayerKind.SWA):
+    if shape.has(*_SWA):
         comps.append(Component(type=StateType.SWA, name="swa", tensors=tuple(
-            b.mha(shape.layer_ids(LayerKind.SWA), mine, page_size, swa_pages))))
+            b.mha(shape.layer_ids(*_SWA), mine, page_size, swa_pages))))
     if shape.has(*_LINEAR):
         comps.append(Component(type=StateType.MAMBA, name="mamba", tensors=tuple(
             b.mamba(mine, num_slots))))
-    if shape.has(LayerKind.SHORT_CONV):
+    if shape.has(LayerKind.SHORT_CONV, *_CONV_BANK):
         comps.append(Component(type=StateType.SHORT_CONV, name="short_conv", tensors=tuple(
             b.short_conv(mine, num_slots))))
     comps.append(Component(type=StateType.AUX, name="aux", tensors=(
@@ -439,7 +581,7 @@ def _identity(shape: ModelShape) -> tuple[tuple[str, str], ...]:
     """What the two sides must share that no tensor's geometry shows: the sliding window
     decides which pages each side's window list names (lists of windows that differ pair
     the wrong pages), so the handshake compares it (:attr:`Layout.identity`)."""
-    if shape.sliding_window and shape.has(LayerKind.SWA, *_DSV4):
+    if shape.sliding_window and shape.has(*_SWA, *_DSV4):
         return (("sliding_window", str(shape.sliding_window)),)
     return ()
 
@@ -470,10 +612,14 @@ class _Builder:
             ) -> list[TensorSpec]:
         """K then V of every layer: NHD pages, head-sharded (GQA-replicated past the heads)."""
         s = self.s
-        shard = ShardSpec.axis(outer=page, axis=s.kv_heads,
-                               inner_bytes=s.head_dim * s.kv_dtype_bytes)
-        return [self.tensor(n, layer, 0, pages, rows=page, kind=RowKind.TOKEN, shard=shard,
-                            dtype=_dtype(s.kv_dtype_bytes))
+
+        def shard(name: str, layer: int) -> ShardSpec:
+            heads, kd, vd = s.kv_geometry(layer)
+            return ShardSpec.axis(outer=page, axis=heads,
+                                  inner_bytes=(kd if name == "k" else vd) * s.kv_dtype_bytes)
+
+        return [self.tensor(n, layer, 0, pages, rows=page, kind=RowKind.TOKEN,
+                            shard=shard(n, layer), dtype=_dtype(s.kv_dtype_bytes))
                 for n in ("k", "v") for layer in layers if layer in mine]
 
     def mla(self, layers: tuple[int, ...], mine: range, page: int, pages: int
@@ -519,12 +665,30 @@ class _Builder:
 
     def short_conv(self, mine: range, slots: int) -> list[TensorSpec]:
         """One conv slot per short-conv layer: ``[channels, K-1]``, sharded by channel
-        (each rank convolves its slice of the hidden channels)."""
+        (each rank convolves its slice of the hidden channels); then every
+        :class:`LayerConv` slot of the attention + short-conv layers, sharded by what it
+        convolves (its layer's K or V heads, or replicated over the hidden stream)."""
         s = self.s
-        conv = ShardSpec.axis(axis=s.short_conv_channels,
-                              inner_bytes=(s.short_conv_kernel - 1) * s.conv_dtype_bytes)
-        return [self.tensor("conv", i, 0, slots, shard=conv, dtype=_dtype(s.conv_dtype_bytes))
-                for i in s.layer_ids(LayerKind.SHORT_CONV) if i in mine]
+        dtype = _dtype(s.conv_dtype_bytes)
+        out = []
+        if s.has(LayerKind.SHORT_CONV):
+            conv = ShardSpec.axis(axis=s.short_conv_channels,
+                                  inner_bytes=(s.short_conv_kernel - 1) * s.conv_dtype_bytes)
+            out += [self.tensor("conv", i, 0, slots, shard=conv, dtype=dtype)
+                    for i in s.layer_ids(LayerKind.SHORT_CONV) if i in mine]
+        for c in s.layer_convs:  # tensor-major, like the mamba component
+            width = (c.kernel - 1) * s.conv_dtype_bytes
+            for i in s.layer_ids(*_CONV_BANK):
+                if i not in mine:
+                    continue
+                if c.input is ConvInput.HIDDEN:
+                    out.append(self.tensor(c.name, i, s.hidden_size * width, slots, dtype=dtype))
+                    continue
+                heads, kd, vd = s.kv_geometry(i)
+                shard = ShardSpec.axis(axis=heads, inner_bytes=(
+                    kd if c.input is ConvInput.KEYS else vd) * width)
+                out.append(self.tensor(c.name, i, 0, slots, shard=shard, dtype=dtype))
+        return out
 
     def dsv4(
         self, mine: range, last: bool, page: int, pages: int, swa_page: int, swa_pages: int,

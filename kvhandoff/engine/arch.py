@@ -5,17 +5,30 @@
 ``cache_params``: whichever keyword the model's forward takes, :func:`cache_keyword`):
 each cache layer's *kind* picks a codec (:mod:`kvhandoff.engine.codecs`), and the
 tensors' shapes give the dimensions. The one piece of family knowledge is how a
-linear-attention conv's channels split into independently sharded sub-blocks:
-gated delta nets (configs with ``linear_key_head_dim``: Qwen3-Next, Qwen3.5) use
-``[q | k | v]``; Mamba2 mixers use ``[x | B | C]``; Mamba1 mixers (a 3-D recurrent state
-``[d_inner, d_state]``: Jamba, Mamba, Falcon-Mamba) have one channel axis ``d_inner``,
-which also indexes the SSM state; short convolutions (a conv state and no recurrent state:
-LFM2) have one channel axis, the hidden size. Everything else is read off the cache, so a new family
-built from the same cache-layer kinds needs no code here.
+linear-attention conv's channels split into independently sharded sub-blocks, read from
+the family's config (:data:`_DELTA_NET_DIMS`, :data:`_MAMBA2_GROUPS`) and checked against
+the cache: delta nets (gated: Qwen3-Next, Qwen3.5, OLMo-hybrid; Kimi: Kimi-Linear,
+Bailing-hybrid) use ``[q | k | v]`` with q and k of the key heads and v of the value heads
+(unequal blocks in general); Mamba2 mixers use ``[x | B | C]`` with B and C of the
+config's groups; Mamba1 mixers (a 3-D recurrent state
+``[d_inner, d_state]``: Jamba, Mamba, Falcon-Mamba; or a 4-D one cut into heads whose
+conv holds ``x`` alone: Zamba) have one channel axis ``d_inner``, which also indexes the
+SSM state; short convolutions (a conv state and no recurrent state: LFM2) have one
+channel axis, the hidden size; the short convolutions an attention layer keeps beside its
+K/V (Inkling) run over K, V or the residual stream, told apart by channel count.
+Everything else is read off the cache, so a new family built from the same cache-layer
+kinds needs no code here.
+
+Attention layers need not agree on their K/V shape: each layer's KV heads and K / V head
+dims are recorded, and layers of another shape than the first become a
+:class:`~kvhandoff.shapes.KVGroup` (Gemma 4's 512-dim full layers, MiMo-V2-Flash's full
+layers with fewer KV heads and V heads narrower than K).
 
 Kinds: full / sliding attention, MLA (+ DSA indexer), linear attention (GDN, Mamba2,
-Mamba1), short convolutions, ``"hybrid"`` layers holding attention K/V and a Mamba2 slot
-at once (Falcon-H1), DeepSeek-V4's compressed kinds, and dummy layers.
+Mamba1), short convolutions, ``"hybrid"`` layers holding attention K/V and a Mamba2 or
+Mamba1 slot at once (Falcon-H1, Zamba), ``"hybrid"`` / ``"hybrid_sliding"`` layers
+holding full / sliding attention and short convolutions (Inkling), DeepSeek-V4's
+compressed kinds, and dummy layers.
 
 The result drives :func:`kvhandoff.shapes.layout_for`: the engine's pools are laid out
 exactly as the library's named shapes describe real deployments (sglang's pools).
@@ -32,6 +45,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from kvhandoff.engine.codecs import (
     AttentionCodec,
+    ConvSlot,
     DeepseekV4Codec,
     HybridCodec,
     LatentCodec,
@@ -40,7 +54,7 @@ from kvhandoff.engine.codecs import (
     ShortConvCodec,
 )
 from kvhandoff.errors import LayoutError
-from kvhandoff.shapes import LayerKind, ModelShape
+from kvhandoff.shapes import ConvInput, KVGroup, LayerConv, LayerKind, ModelShape
 
 _PROBE_TOKENS = 8
 _DSV4_KINDS = ("compressed_sparse_attention", "heavily_compressed_attention")
@@ -125,6 +139,35 @@ def _short_conv(layer: Any) -> bool:
                 and layer.recurrent_states[0] is None)
 
 
+_DELTA_NET_DIMS = (
+    # (key heads, key head dim, value heads, value head dim) as each family's config names
+    # them: conv [q | k | v] = (kh*kd, kh*kd, vh*vd), every block sharded on its own
+    ("linear_num_key_heads", "linear_key_head_dim", "linear_num_value_heads",
+     "linear_value_head_dim"),  # gated delta nets: Qwen3-Next, Qwen3.5, OLMo-hybrid
+    ("linear_num_heads", "linear_head_dim", "linear_num_heads",
+     "linear_head_dim"),  # Kimi delta attention: Kimi-Linear, Bailing-hybrid
+)
+_MAMBA2_GROUPS = (("n_groups",), ("mamba_n_groups",), ("mamba_ngroups",))
+"""Where configs keep a Mamba2 mixer's B/C group count (conv [x | B | C])."""
+
+
+def _config_dims(cfg: Any, spellings: tuple[tuple[str, ...], ...]) -> tuple[int, ...] | None:
+    """The first spelling whose every attribute ``cfg`` sets to an int, as ints."""
+    for names in spellings:
+        values = [getattr(cfg, n, None) for n in names]
+        ints = [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+        if len(ints) == len(names):
+            return tuple(ints)
+    return None
+
+
+def _conv_only(layer: Any) -> bool:
+    """A linear-attention cache layer whose every state is a conv window and none a
+    recurrent state (Inkling's short convolutions beside its attention)."""
+    return all(layer.conv_states[j] is not None and layer.recurrent_states[j] is None
+               for j in range(layer.number_of_states))
+
+
 def _is_mla(cfg: Any, i: int) -> bool:
     """Whether layer ``i`` keeps an MLA latent (a ``kv_lora_rank`` is set). A config whose
     layers differ (transformers' heterogeneous configs) refuses the global read with a
@@ -143,6 +186,7 @@ class _ShapeBuilder:
         self.kinds: list[LayerKind] = []
         self.fields: dict[str, Any] = {}
         self.window = 0
+        self.kv_geometry: dict[int, tuple[int, int, int]] = {}  # layer -> (heads, k, v dim)
 
     def _set(self, **values: Any) -> None:
         for k, v in values.items():
@@ -172,15 +216,12 @@ class _ShapeBuilder:
             codec, lk = self._linear(i, layer, cfg)
             self.kinds.append(lk)
             return codec
-        if kind == "hybrid":  # attention K/V and a linear state in one layer (Falcon-H1)
-            attention = self._attention(i, layer, None)
-            codec, lk = self._linear(i, layer, cfg)
-            if lk is not LayerKind.MAMBA2:
-                raise LayoutError(f"{self.name} layer {i}: a hybrid cache layer with a "
-                                  f"{lk.value} state; kvhandoff.shapes pairs attention with "
-                                  f"Mamba2 only ({LayerKind.ATTN_MAMBA2.value})")
-            self.kinds.append(LayerKind.ATTN_MAMBA2)
-            return HybridCodec(attention, codec)
+        if kind in ("hybrid", "hybrid_sliding"):  # attention and a linear state in one layer
+            return self._hybrid(i, kind, layer, cfg)
+        if kind == "DynamicIndexedLayer":
+            raise LayoutError(f"{self.name} layer {i}: a DSA indexer beside MHA attention (no "
+                              f"MLA latent: the config sets no kv_lora_rank); kvhandoff.shapes "
+                              f"has indexer pages for MLA layers only")
         raise LayoutError(
             f"{self.name} layer {i}: no engine codec for cache layer kind {kind!r} "
             f"({type(layer).__name__}); kvhandoff.shapes has one layer kind per layer")
@@ -198,16 +239,19 @@ class _ShapeBuilder:
     def _attention(self, i: int, layer: Any, window: int | None) -> AttentionCodec:
         k, v = layer.keys, layer.values
         self._filled(i, "attention K/V", k, v)
-        if k.shape != v.shape:
-            raise LayoutError(f"{self.name} layer {i}: K {tuple(k.shape)} and V "
-                              f"{tuple(v.shape)} differ; MHA pages need equal shapes")
-        heads, head_dim = k.shape[1], k.shape[3]
-        self._set(kv_heads=heads, head_dim=head_dim, kv_dtype_bytes=k.element_size())
+        if k.shape[:3] != v.shape[:3] or k.dtype != v.dtype:
+            raise LayoutError(f"{self.name} layer {i}: K {tuple(k.shape)} {k.dtype} and V "
+                              f"{tuple(v.shape)} {v.dtype} differ in more than the head dim; "
+                              f"MHA pages hold K and V of the same heads and dtype")
+        heads, head_dim, v_head_dim = k.shape[1], k.shape[3], v.shape[3]
+        self.kv_geometry[i] = (heads, head_dim, v_head_dim)
+        self._set(kv_dtype_bytes=k.element_size())
         if window:
             self._set(sliding_window=window)
             self.window = window
         return AttentionCodec(layer=i, component="swa" if window else "kv", heads=heads,
-                              head_dim=head_dim, dtype=k.dtype, window=window)
+                              head_dim=head_dim, v_head_dim=v_head_dim, dtype=k.dtype,
+                              window=window)
 
     def _latent(self, i: int, layer: Any, *, indexed: bool) -> LayerCodec:
         k, v = layer.keys, layer.values  # [1, 1, S, kv_lora], [1, 1, S, rope]
@@ -231,7 +275,59 @@ class _ShapeBuilder:
         self._set(short_conv_channels=channels, short_conv_kernel=width,
                   conv_dtype_bytes=conv.element_size())
         self.kinds.append(LayerKind.SHORT_CONV)
-        return ShortConvCodec(layer=i, conv=(channels, width), dtype=conv.dtype)
+        return ShortConvCodec(layer=i, convs=(ConvSlot("conv", 0, channels, width),),
+                              dtype=conv.dtype)
+
+    def _hybrid(self, i: int, kind: str, layer: Any, cfg: Any) -> HybridCodec:
+        """Attention (full, or sliding for ``"hybrid_sliding"``) beside a linear state:
+        a Mamba2 / Mamba1 slot (Falcon-H1, Zamba) or short convolutions only (Inkling)."""
+        window = int(layer.sliding_window) if kind == "hybrid_sliding" else None
+        attention = self._attention(i, layer, window)
+        if _conv_only(layer):
+            self.kinds.append(LayerKind.SWA_SHORT_CONV if window else LayerKind.ATTN_SHORT_CONV)
+            return HybridCodec(attention, self._layer_convs(i, layer, cfg))
+        codec, lk = self._linear(i, layer, cfg)
+        pairs = {LayerKind.MAMBA2: LayerKind.ATTN_MAMBA2, LayerKind.MAMBA1: LayerKind.ATTN_MAMBA1}
+        if window or lk not in pairs:
+            what = "sliding-window attention" if window else "attention"
+            raise LayoutError(f"{self.name} layer {i}: {what} beside a {lk.value} state in one "
+                              f"cache layer; kvhandoff.shapes has layer kinds for full "
+                              f"attention beside a Mamba2 or Mamba1 slot, and for full or "
+                              f"sliding attention beside short convolutions, not this one")
+        self.kinds.append(pairs[lk])
+        return HybridCodec(attention, codec)
+
+    def _layer_convs(self, i: int, layer: Any, cfg: Any) -> ShortConvCodec:
+        """Every conv state of an attention + short-conv layer, each classified by what it
+        convolves, read off its channel count against the layer's own attention and the
+        config's hidden size: ``kv_heads x head_dim`` (K), ``kv_heads x v_head_dim`` (V),
+        ``hidden_size`` (the residual stream). A count that fits the hidden size and a K/V
+        width is refused: their TP sharding differs (head-sharded vs replicated)."""
+        heads, kd, vd = self.kv_geometry[i]
+        hidden = int(cfg.hidden_size)
+        fits = {ConvInput.KEYS: heads * kd, ConvInput.VALUES: heads * vd,
+                ConvInput.HIDDEN: hidden}
+        slots: list[ConvSlot] = []
+        inputs: list[ConvInput] = []
+        for j in range(layer.number_of_states):
+            conv = layer.conv_states[j]
+            channels, width = conv.shape[1], conv.shape[2]
+            match = {x for x, n in fits.items() if n == channels}
+            if match == {ConvInput.KEYS, ConvInput.VALUES}:
+                match = {ConvInput.KEYS}  # K and V of one width: both shard by the KV heads
+            if len(match) != 1:
+                raise LayoutError(
+                    f"{self.name} layer {i}: conv state {j} has {channels} channels, "
+                    f"{'none' if not match else 'more than one'} of the layer's K width "
+                    f"{heads}x{kd}, V width {heads}x{vd} and the hidden size {hidden}; the "
+                    f"engine cannot tell how TP shards it")
+            inputs.append(match.pop())
+            slots.append(ConvSlot(f"conv{j}", j, channels, width))
+            self._set(conv_dtype_bytes=conv.element_size(), hidden_size=hidden)
+        convs = tuple(LayerConv(name=c.tensor, input=x, kernel=c.width)
+                      for c, x in zip(slots, inputs, strict=True))
+        self._set(layer_convs=convs)
+        return ShortConvCodec(layer=i, convs=tuple(slots), dtype=layer.conv_states[0].dtype)
 
     def _linear(self, i: int, layer: Any, cfg: Any) -> tuple[LinearCodec, LayerKind]:
         if layer.number_of_states != 1:
@@ -261,22 +357,41 @@ class _ShapeBuilder:
             return (LinearCodec(layer=i, conv=(channels, width), ssm=(inner, state),
                                 conv_dtype=conv.dtype, ssm_dtype=ssm.dtype), LayerKind.MAMBA1)
         heads, a, b = ssm.shape[1], ssm.shape[2], ssm.shape[3]
-        if getattr(cfg, "linear_key_head_dim", None) is not None:  # gated delta net
-            kd = cfg.linear_num_key_heads * cfg.linear_key_head_dim
-            if channels != 2 * kd + heads * b or a != cfg.linear_key_head_dim:
-                raise LayoutError(f"{self.name} layer {i}: conv channels {channels} are not "
-                                  f"[q|k|v] = 2*{kd} + {heads}*{b}")
-            self._set(linear_k_heads=cfg.linear_num_key_heads, linear_k_dim=a,
-                      linear_v_heads=heads, linear_v_dim=b, **common)
+        qkv = _config_dims(cfg, _DELTA_NET_DIMS)
+        groups = _config_dims(cfg, _MAMBA2_GROUPS)
+        if qkv is not None:  # a delta net (GDN, KDA): conv [q | k | v], SSM [v heads, k, v]
+            kh, kd, vh, vd = qkv
+            want = (2 * kh * kd + vh * vd, vh, kd, vd)
+            if (channels, heads, a, b) != want:
+                raise LayoutError(
+                    f"{self.name} layer {i}: conv channels {channels} and SSM state "
+                    f"[{heads}, {a}, {b}] are not the config's delta net: conv [q|k|v] = "
+                    f"2 x {kh}x{kd} + {vh}x{vd} channels, SSM [{vh}, {kd}, {vd}]")
+            self._set(linear_k_heads=kh, linear_k_dim=kd, linear_v_heads=vh, linear_v_dim=vd,
+                      **common)
             kind = LayerKind.GDN
-        else:  # Mamba2: conv [x | B | C], x = heads * head_dim, B = C = groups * state
-            gn2 = channels - heads * a
-            if gn2 <= 0 or gn2 % (2 * b):
-                raise LayoutError(f"{self.name} layer {i}: conv channels {channels} are not "
-                                  f"[x|B|C] for {heads} heads x {a} and state {b}")
-            self._set(mamba_heads=heads, mamba_head_dim=a, mamba_state=b,
-                      mamba_groups=gn2 // (2 * b), **common)
+        elif groups is not None:  # Mamba2: conv [x | B | C], x = heads x head_dim,
+            (g,) = groups  # B = C = n_groups x state
+            if channels != heads * a + 2 * g * b:
+                raise LayoutError(
+                    f"{self.name} layer {i}: conv channels {channels} are not the config's "
+                    f"Mamba2 [x|B|C] = {heads}x{a} + 2 x {g} groups x state {b}")
+            self._set(mamba_heads=heads, mamba_head_dim=a, mamba_state=b, mamba_groups=g,
+                      **common)
             kind = LayerKind.MAMBA2
+        elif channels == heads * a:  # multi-head Mamba1 (Zamba): the conv holds x alone
+            # (B, C come from x_proj), and the SSM [heads, head_dim, state] is
+            # [d_inner, state] cut into heads: a Mamba1 slot, sharded by d_inner
+            self._set(mamba_intermediate=channels, mamba_state=b, **common)
+            return (LinearCodec(layer=i, conv=(channels, width), ssm=(heads, a, b),
+                                conv_dtype=conv.dtype, ssm_dtype=ssm.dtype), LayerKind.MAMBA1)
+        else:
+            raise LayoutError(
+                f"{self.name} layer {i}: a conv of {channels} channels beside an SSM state "
+                f"[{heads}, {a}, {b}], and the config names no q/k/v split "
+                f"({', '.join('/'.join(d) for d in _DELTA_NET_DIMS)}) and no Mamba2 groups "
+                f"({', '.join(n for (n,) in _MAMBA2_GROUPS)}): the engine cannot tell how "
+                f"TP shards the conv's channels")
         return (LinearCodec(layer=i, conv=(channels, width), ssm=(heads, a, b),
                             conv_dtype=conv.dtype, ssm_dtype=ssm.dtype), kind)
 
@@ -307,4 +422,19 @@ class _ShapeBuilder:
 
     def shape(self) -> ModelShape:
         return ModelShape(name=self.name, layers=tuple(self.kinds), aux_row_bytes=64,
-                          **self.fields)
+                          **self._kv_fields(), **self.fields)
+
+    def _kv_fields(self) -> dict[str, Any]:
+        """The attention layers' K/V shapes: the first attention layer's is the default,
+        every other shape a :class:`~kvhandoff.shapes.KVGroup` of its layers (a pool
+        per page shape: Gemma 4's 512-dim full layers beside 256-dim sliding ones)."""
+        if not self.kv_geometry:
+            return {}
+        by: dict[tuple[int, int, int], list[int]] = {}
+        for layer, geo in self.kv_geometry.items():
+            by.setdefault(geo, []).append(layer)
+        (heads, kd, vd), *others = by
+        return {"kv_heads": heads, "head_dim": kd, "v_head_dim": vd if vd != kd else 0,
+                "kv_groups": tuple(KVGroup(layers=tuple(by[g]), kv_heads=g[0], head_dim=g[1],
+                                           v_head_dim=g[2] if g[2] != g[1] else 0)
+                                   for g in others)}

@@ -20,8 +20,11 @@ cache layer                            codec and what it moves
                                        ``[d_inner, d_state]``
 ``LinearAttentionLayer`` with no       :class:`ShortConvCodec`: ``conv`` ``[channels, K-1]``
 recurrent state (short conv, LFM2)     of the request slot (component ``short_conv``)
-``LinearAttentionAndFullAttention``    :class:`HybridCodec`: both of the above in one
-``Layer`` (``"hybrid"``)               layer (``kv`` rows and the ``mamba`` slot)
+``LinearAttentionAndFullAttention``    :class:`HybridCodec`: attention and a linear state
+``Layer`` (``"hybrid"``)               in one layer (``kv`` rows and the ``mamba`` slot,
+                                       or ``kv`` rows and ``short_conv`` slots: Inkling)
+``LinearAttentionAndSlidingWindow``    :class:`HybridCodec`: sliding-window attention and
+``AttentionLayer`` (``"hybrid_sliding"``)  short-conv slots (``swa`` rows, ``short_conv``)
 DeepSeek-V4 sliding / CSA / HCA        :class:`DeepseekV4Codec`: window rows, compressed
                                        entries, compressor rings
 ``DummyLayer``                         nothing
@@ -127,15 +130,18 @@ class LayerCodec(abc.ABC):
 
 
 class AttentionCodec(LayerCodec):
-    """MHA / GQA K and V, full (``window=None``) or sliding window."""
+    """MHA / GQA K and V, full (``window=None``) or sliding window. K and V may differ in
+    head dim (``v_head_dim``; MiMo-V2-Flash: K 192, V 128)."""
 
     def __init__(self, *, layer: int, component: str, heads: int, head_dim: int,
-                 dtype: torch.dtype, window: int | None) -> None:
-        self.layer, self.heads, self.head_dim, self.dtype = layer, heads, head_dim, dtype
+                 dtype: torch.dtype, window: int | None, v_head_dim: int | None = None
+                 ) -> None:
+        self.layer, self.heads, self.dtype = layer, heads, dtype
+        self.dims = {"k": head_dim, "v": v_head_dim or head_dim}
         self.window = window
-        row, isz = heads * head_dim * dtype.itemsize, dtype.itemsize
-        self.fields = (Field(component, "k", layer, Series.TOKENS, row, itemsize=isz),
-                       Field(component, "v", layer, Series.TOKENS, row, itemsize=isz))
+        isz = dtype.itemsize
+        self.fields = tuple(Field(component, n, layer, Series.TOKENS, heads * d * isz,
+                                  itemsize=isz) for n, d in self.dims.items())
 
     def read(self, cache_layer: Any, f: Field, since: int = 0) -> tuple[IdArray, RowArray]:
         t = cache_layer.keys if f.tensor == "k" else cache_layer.values
@@ -148,15 +154,15 @@ class AttentionCodec(LayerCodec):
         return _arange(max(0, n - self.window + 1) if self.window else 0, n)
 
     def fill(self, cache_layer: Any, n: int, rows: Mapping[Key, RowArray]) -> None:
-        k, v = (self._tensor(rows[f.key]) for f in self.fields)
+        k, v = (self._tensor(rows[f.key], self.dims[f.tensor]) for f in self.fields)
         cache_layer.lazy_initialization(k, v)
         cache_layer.keys, cache_layer.values = k, v
         if self.window:
             cache_layer.cumulative_length = n
 
-    def _tensor(self, rows: RowArray) -> torch.Tensor:
+    def _tensor(self, rows: RowArray, head_dim: int) -> torch.Tensor:
         m = len(rows)
-        t = from_rows(rows, self.dtype, (m, self.heads, self.head_dim))
+        t = from_rows(rows, self.dtype, (m, self.heads, head_dim))
         return t.transpose(0, 1).unsqueeze(0).contiguous()
 
 
@@ -238,45 +244,63 @@ class LinearCodec(LayerCodec):
         cache_layer.has_previous_state[0] = True
 
 
-class ShortConvCodec(LayerCodec):
-    """A short-convolution mixer's state of one layer (LFM2): the conv window alone,
-    no recurrent state. Sharded by channel like any conv slot."""
+@dataclass(frozen=True, slots=True)
+class ConvSlot:
+    """One conv state of a layer: HF's ``conv_states[state]``, ``[channels, width]``,
+    moved as tensor ``tensor`` of the slot."""
 
-    def __init__(self, *, layer: int, conv: tuple[int, int], dtype: torch.dtype) -> None:
-        self.layer, self.conv, self.dtype = layer, conv, dtype
-        channels, width = conv
-        self.fields = (Field("short_conv", "conv", layer, Series.SLOT,
-                             channels * (width - 1) * dtype.itemsize, itemsize=dtype.itemsize),)
+    tensor: str
+    state: int
+    channels: int
+    width: int
+
+
+class ShortConvCodec(LayerCodec):
+    """A layer's short-convolution states (no recurrent state): the conv windows alone,
+    one slot tensor each (component ``short_conv``). LFM2 keeps one (``conv``); Inkling
+    keeps four beside its attention (over K, V, and the residual stream twice)."""
+
+    def __init__(self, *, layer: int, convs: tuple[ConvSlot, ...], dtype: torch.dtype) -> None:
+        self.layer, self.convs, self.dtype = layer, convs, dtype
+        isz = dtype.itemsize
+        self.fields = tuple(Field("short_conv", c.tensor, layer, Series.SLOT,
+                                  c.channels * (c.width - 1) * isz, itemsize=isz)
+                            for c in convs)
+        self._by = {c.tensor: c for c in convs}
 
     def read(self, cache_layer: Any, f: Field, since: int = 0) -> tuple[IdArray, RowArray]:
         if since > 0:
             return _arange(0, 0), np.zeros((0, f.row_bytes), np.uint8)
-        return _arange(0, 1), to_rows(cache_layer.conv_states[0][0, :, 1:].unsqueeze(0))
+        c = self._by[f.tensor]
+        return _arange(0, 1), to_rows(cache_layer.conv_states[c.state][0, :, 1:].unsqueeze(0))
 
     def live(self, f: Field, n: int) -> IdArray:
         return _arange(0, 1)
 
     def fill(self, cache_layer: Any, n: int, rows: Mapping[Key, RowArray]) -> None:
-        channels, width = self.conv
-        conv = torch.zeros((1, channels, width), dtype=self.dtype)
-        conv[0, :, 1:] = from_rows(rows[self.fields[0].key], self.dtype, (channels, width - 1))
-        cache_layer.lazy_initialization(conv_states=conv, conv_kernel_size=width)
-        cache_layer.conv_states[0].copy_(conv)
-        cache_layer.has_previous_state[0] = True
+        for c, f in zip(self.convs, self.fields, strict=True):
+            conv = torch.zeros((1, c.channels, c.width), dtype=self.dtype)
+            conv[0, :, 1:] = from_rows(rows[f.key], self.dtype, (c.channels, c.width - 1))
+            cache_layer.lazy_initialization(conv_states=conv, state_idx=c.state,
+                                            conv_kernel_size=c.width)
+            cache_layer.conv_states[c.state].copy_(conv)
+            cache_layer.has_previous_state[c.state] = True
 
 
 class HybridCodec(LayerCodec):
-    """A layer that keeps attention K/V *and* a linear-attention slot (HF's ``"hybrid"``
-    cache layer, e.g. Falcon-H1: attention and Mamba2 side by side in every layer).
+    """A layer that keeps attention K/V *and* a recurrent or conv slot (HF's ``"hybrid"``
+    / ``"hybrid_sliding"`` cache layers: Falcon-H1's attention beside Mamba2, Zamba's
+    beside Mamba1, Inkling's full or sliding attention beside short convolutions).
     Each field is handled by the codec of its part."""
 
-    def __init__(self, attention: AttentionCodec, linear: LinearCodec) -> None:
-        if attention.layer != linear.layer:
+    def __init__(self, attention: AttentionCodec, state: LinearCodec | ShortConvCodec) -> None:
+        if attention.layer != state.layer:
             raise ValueError(f"hybrid codec parts disagree on the layer "
-                             f"({attention.layer} vs {linear.layer})")
-        self.layer, self.attention, self.linear = attention.layer, attention, linear
-        self.fields = attention.fields + linear.fields
-        self._part = {f.key: p for p in (attention, linear) for f in p.fields}
+                             f"({attention.layer} vs {state.layer})")
+        self.layer, self.attention, self.state = attention.layer, attention, state
+        self.fields = attention.fields + state.fields
+        self._part: dict[Key, LayerCodec] = {f.key: p for p in (attention, state)
+                                             for f in p.fields}
 
     def read(self, cache_layer: Any, f: Field, since: int = 0) -> tuple[IdArray, RowArray]:
         return self._part[f.key].read(cache_layer, f, since)
@@ -286,7 +310,7 @@ class HybridCodec(LayerCodec):
 
     def fill(self, cache_layer: Any, n: int, rows: Mapping[Key, RowArray]) -> None:
         self.attention.fill(cache_layer, n, rows)
-        self.linear.fill(cache_layer, n, rows)
+        self.state.fill(cache_layer, n, rows)
 
 
 class DeepseekV4Codec(LayerCodec):

@@ -62,7 +62,7 @@ _SIZES: tuple[tuple[tuple[str, ...], int], ...] = (
       "state_size", "ssm_state_size", "time_step_rank", "mamba_dt_rank", "index_topk"), 8),
     (("linear_num_key_heads",), 4),
     (("linear_num_value_heads", "mamba_n_heads", "mamba_num_heads"), 8),
-    (("mamba_n_groups", "n_groups"), 4),
+    (("mamba_n_groups", "n_groups", "mamba_ngroups"), 4),
     (("mamba_d_conv", "conv_kernel", "linear_conv_kernel_dim"), 4),
     (("mamba_expand", "expand"), 1),
     (("chunk_size", "mamba_chunk_size"), 16),

@@ -68,6 +68,28 @@ def test_demo_hands_off_short_convolution_state(capsys: pytest.CaptureFixture[st
     assert text.count("tokens equal ✓") == 2 and "2/2 requests" in text and "✗" not in text
 
 
+@pytest.mark.parametrize(("family", "component"), [
+    ("inkling_text", "short_conv"),  # attention + short convs in one layer (swa / attn)
+    ("zamba", "mamba"),  # multi-head Mamba1, alone and beside attention in one layer
+    ("mimo_v2_flash", "swa"),  # a pool per K/V page shape; K and V head dims differ
+])
+def test_demo_hands_off_a_local_checkpoint_of_the_new_layer_kinds(
+        family: str, component: str, capsys: pytest.CaptureFixture[str],
+        tmp_path: object) -> None:
+    """One family per layer kind the sweep added, as a user passes it (a checkpoint
+    directory), over the session layer and tcp, at decode TP 2."""
+    from kvhandoff.engine import load_model
+    from kvhandoff.engine.tiny import tiny_config
+
+    load_model(tiny_config(family), seed=5).save_pretrained(f"{tmp_path}/ckpt")
+    args = ["demo", "--model", f"{tmp_path}/ckpt", "--prefill-tp", "1", "--decode-tp", "2",
+            "--requests", "2", "--max-new-tokens", "4", "--chunk", "8"]
+    assert cli.main(args) == 0
+    text = capsys.readouterr().out
+    assert component in text
+    assert text.count("tokens equal ✓") == 2 and "2/2 requests" in text and "✗" not in text
+
+
 def test_demo_fails_on_a_corrupted_byte(capsys: pytest.CaptureFixture[str]) -> None:
     # decode flips one received KV byte before rebuilding its cache: the check must fail
     assert cli.main([*SMALL, "--corrupt", "kv"]) == 1

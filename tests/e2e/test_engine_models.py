@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -21,8 +22,9 @@ from kvhandoff.engine import (  # noqa: E402
     sample_prompts,
 )
 from kvhandoff.engine.arch import cache_keyword, describe  # noqa: E402
+from kvhandoff.engine.tiny import tiny_config  # noqa: E402
 from kvhandoff.errors import LayoutError  # noqa: E402
-from kvhandoff.shapes import LayerKind  # noqa: E402
+from kvhandoff.shapes import ConvInput, LayerKind  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -185,16 +187,93 @@ def test_short_convolution_catches_a_corrupted_byte() -> None:
     assert not any(result.leaks.values())
 
 
+KV_GROUP_PAIRS = [(2, 1), (1, 2), (2, 4)]
+
+
+@pytest.mark.parametrize("pair", KV_GROUP_PAIRS, ids=[f"tp{p}to{d}" for p, d in KV_GROUP_PAIRS])
+@pytest.mark.parametrize(("family", "groups"), [
+    # Gemma 4: sliding layers 2 KV heads x 16, the full layer 2 x 512
+    ("gemma4_text", ((2, 16, 16), ((3,), 2, 512, 0))),
+    # MiMo-V2-Flash: K 16 / V 8 everywhere; the full layer 2 KV heads, sliding ones 4
+    ("mimo_v2_flash", ((2, 16, 8), ((1, 2, 3), 4, 16, 8))),
+])
+def test_layers_of_other_kv_shapes_get_a_pool_each(family: str, groups: tuple,
+                                                   pair: tuple[int, int]) -> None:
+    """Layers that disagree on KV heads or head dims, and K and V of different head
+    dims: each layer's pages take its KV group's shape and are head-sharded by that
+    group's heads (at decode TP 4 a 2-head group is replicated while a 4-head one is
+    sharded), and the handoff is token-exact."""
+    cfg = tiny_config(family)
+    shape = describe(load_model(cfg)).shape
+    (heads, k_dim, v_dim), (layers, g_heads, g_k, g_v) = groups
+    assert (shape.kv_heads, shape.head_dim, shape.v_head_dim or shape.head_dim) == \
+        (heads, k_dim, v_dim)
+    assert [(g.layers, g.kv_heads, g.head_dim, g.v_head_dim) for g in shape.kv_groups] == \
+        [(layers, g_heads, g_k, g_v)]
+    result = run_disaggregated(cfg, sample_prompts([5, 19, 30], seed=3), prefill_tp=pair[0],
+                               decode_tp=pair[1], chunk=6, max_new_tokens=8)
+    assert result.ok, [(r.disaggregated, r.colocated, r.state_diff) for r in result.requests]
+    assert not any(result.leaks.values()), result.leaks
+
+
+@pytest.mark.parametrize("pair", KV_GROUP_PAIRS, ids=[f"tp{p}to{d}" for p, d in KV_GROUP_PAIRS])
+def test_attention_with_short_convolutions(pair: tuple[int, int]) -> None:
+    """Inkling's layers keep sliding (or full) attention *and* four short-conv windows:
+    a layer kind each (``swa_short_conv``, ``attn_short_conv``). The convs over K and V
+    shard by the layer's KV heads like its pages; the two over the residual stream are
+    replicated (their input is all-reduced: every TP rank holds all of it)."""
+    cfg = tiny_config("inkling_text")
+    shape = describe(load_model(cfg)).shape
+    assert shape.layers == (LayerKind.SWA_SHORT_CONV,) * 3 + (LayerKind.ATTN_SHORT_CONV,)
+    assert [(c.name, c.input, c.kernel) for c in shape.layer_convs] == [
+        ("conv0", ConvInput.KEYS, 4), ("conv1", ConvInput.KEYS, 4),  # K, V of one width
+        ("conv2", ConvInput.HIDDEN, 4), ("conv3", ConvInput.HIDDEN, 4)]
+    result = run_disaggregated(cfg, sample_prompts([5, 19, 30], seed=5), prefill_tp=pair[0],
+                               decode_tp=pair[1], chunk=6, max_new_tokens=8)
+    assert result.ok, [(r.disaggregated, r.colocated, r.state_diff) for r in result.requests]
+    assert not any(result.leaks.values()), result.leaks
+    # bytes summed over decode ranks: 4 layers x (K [32, 3] + V [32, 3], 2 heads, whole
+    # once per head replica; residual stream twice [64, 3], whole on every rank), fp32
+    d = pair[1]
+    want = 4 * (2 * 32 * max(1, d // 2) + 2 * 64 * d) * 3 * 4
+    for r in result.requests:
+        assert set(r.bytes_by_component) == {"kv", "swa", "short_conv", "aux"}
+        assert r.bytes_by_component["short_conv"] == want
+
+
+def test_attention_with_short_convolutions_catches_a_corrupted_byte() -> None:
+    result = run_disaggregated(tiny_config("inkling_text"), sample_prompts([23], seed=2),
+                               prefill_tp=2, decode_tp=1, chunk=6, corrupt="short_conv")
+    assert not result.ok and all("short_conv" in r.state_diff for r in result.requests)
+    assert not any(result.leaks.values())
+
+
+def test_multi_head_mamba1_beside_attention() -> None:
+    """Zamba's mixer is Mamba1 cut into heads (SSM [2, 32, 8] is [d_inner 64, 8]; its conv
+    holds x alone, no B/C): a Mamba1 slot sharded by d_inner, alone or beside attention in
+    one layer (``attn_mamba1``)."""
+    cfg = tiny_config("zamba")
+    shape = describe(load_model(cfg)).shape
+    L = LayerKind
+    assert shape.layers == (L.MAMBA1, L.MAMBA1, L.ATTN_MAMBA1, L.MAMBA1)
+    assert (shape.mamba_intermediate, shape.mamba_state) == (64, 8)
+    for p, d in ((2, 1), (1, 2)):
+        result = run_disaggregated(cfg, sample_prompts([5, 19], seed=7), prefill_tp=p,
+                                   decode_tp=d, chunk=6, max_new_tokens=8)
+        assert result.ok, [(r.disaggregated, r.colocated, r.state_diff)
+                           for r in result.requests]
+
+
 @pytest.mark.parametrize(("model_type", "kwargs", "message"), [
-    # ZAYA's hybrid layers: attention next to a CCA state of another shape (2-D) ...
+    # ZAYA's hybrid layers: attention next to a CCA state of another shape (2-D), full ...
     ("zaya", {"num_hidden_layers": 2, "num_key_value_heads": 2, "head_dim": 16,
               "moe_intermediate_size": 32, "num_experts": 2, "router_hidden_size": 16},
      "layer 0: linear-attention layer with a 2-D recurrent state"),
-    # ... and with a sliding window: no layer kind holds a window and a linear state
+    # ... or sliding-window attention: the state is what no layer kind holds
     ("zaya", {"num_hidden_layers": 2, "num_key_value_heads": 2, "head_dim": 16,
               "moe_intermediate_size": 32, "num_experts": 2, "router_hidden_size": 16,
               "sliding_window": 8, "layer_types": ["hybrid_sliding", "hybrid"]},
-     "layer 0: no engine codec for cache layer kind 'hybrid_sliding'"),
+     "layer 0: linear-attention layer with a 2-D recurrent state"),
 ], ids=["zaya-hybrid-cca", "zaya-hybrid-sliding"])
 def test_unsupported_layer_kinds_fail_clearly(model_type: str, kwargs: dict, message: str
                                               ) -> None:
@@ -217,3 +296,68 @@ def test_local_checkpoint_directory(tmp_path: Path) -> None:
 def test_unknown_model_name() -> None:
     with pytest.raises(KeyError, match="unknown model"):
         load_model("no-such-model")
+
+
+# Linear-attention families with *unequal* conv blocks, and how each family's own
+# transformers mixer sizes them: delta nets [q | k | v] (key_dim, key_dim, value_dim),
+# Kimi delta attention (qkv_dim three times: one head dim, equal by construction), Mamba2
+# [x | B | C] (intermediate_size, n_groups x state twice).
+_GDN = {"linear_num_key_heads": 2, "linear_key_head_dim": 8, "linear_num_value_heads": 4,
+        "linear_value_head_dim": 16}  # q = k = 16 channels, v = 64
+
+
+def _mamba2(groups: str) -> dict[str, int]:
+    return {groups: 2}  # x = 8 heads x 8 = 64 channels, B = C = 2 groups x state 8 = 16
+
+
+UNEQUAL = {
+    "qwen3_next": _GDN, "olmo_hybrid": _GDN, "kimi_linear": {},
+    "bamba": _mamba2("mamba_n_groups"), "mamba2": _mamba2("n_groups"),
+    "nemotron_h": _mamba2("n_groups"), "zamba2": _mamba2("mamba_ngroups"),
+}
+
+
+def _mixer_blocks(model: torch.nn.Module) -> tuple[int, ...]:
+    """The conv's sub-blocks as the family's own mixer module sizes them."""
+    mixer = next(m for m in model.modules() if hasattr(m, "conv1d"))
+    if hasattr(mixer, "key_dim"):
+        return (mixer.key_dim, mixer.key_dim, mixer.value_dim)
+    if hasattr(mixer, "qkv_dim"):
+        return (mixer.qkv_dim,) * 3
+    bc = mixer.n_groups * mixer.ssm_state_size
+    return (mixer.intermediate_size, bc, bc)
+
+
+@pytest.mark.parametrize("family", sorted(UNEQUAL))
+def test_conv_split_is_the_familys_own(family: str) -> None:
+    """Issue 12: the conv's q/k/v (or x/B/C) split comes from each family's config, not
+    from a rule that holds only when the blocks are equal. Checked per rank against the
+    family's own sharding in vLLM's terms (each block of the mixer's sizes cut into TP
+    contiguous slices on its own), then handed off token-exact."""
+    from kvhandoff.engine.sharding import axis_positions
+    from kvhandoff.shapes import layout_for
+
+    cfg = tiny_config(family)
+    for k, v in UNEQUAL[family].items():
+        setattr(cfg, k, v)
+    model = load_model(cfg)
+    blocks = _mixer_blocks(model)
+    shape = describe(model).shape
+    assert shape.conv_groups == blocks
+    if UNEQUAL[family]:
+        assert len(set(blocks)) > 1
+    for tp in (1, 2):
+        for r in range(tp):
+            lay = layout_for(shape, tp_rank=r, tp_size=tp, page_size=4, num_pages=4,
+                             num_slots=2)
+            conv = next(t for t in lay.component("mamba").tensors if t.name == "conv")
+            assert conv.shard is not None
+            want = np.concatenate([off + np.arange(r * n // tp, (r + 1) * n // tp)
+                                   for off, n in zip(np.cumsum((0, *blocks[:-1])), blocks,
+                                                     strict=True)])
+            np.testing.assert_array_equal(axis_positions(conv.shard, r, tp), want)
+    for p, d in ((2, 1), (1, 2)):
+        result = run_disaggregated(cfg, sample_prompts([5, 19], seed=8), prefill_tp=p,
+                                   decode_tp=d, chunk=6, max_new_tokens=6)
+        assert result.ok, [(r.disaggregated, r.colocated, r.state_diff)
+                           for r in result.requests]

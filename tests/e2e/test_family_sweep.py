@@ -61,6 +61,10 @@ def test_family_hands_off_or_is_refused_at_start_up(family: str) -> None:
     ("qwen3_next", Result.HANDOFF, "gdn, attn", ""),
     ("mamba", Result.HANDOFF, "mamba1", ""),
     ("lfm2", Result.HANDOFF, "short_conv, attn", ""),
+    ("gemma4_text", Result.HANDOFF, "swa, attn", ""),  # a pool per K/V page shape
+    ("mimo_v2_flash", Result.HANDOFF, "attn, swa", ""),  # K and V head dims differ
+    ("inkling_text", Result.HANDOFF, "swa_short_conv, attn_short_conv", ""),
+    ("zamba", Result.HANDOFF, "mamba1, attn_mamba1", ""),
     ("zaya", Result.REFUSED, "", "linear-attention layer with a 2-D recurrent state"),
     ("mllama", Result.REFUSED, "", "left this layer's attention K/V empty"),
     ("rwkv", Result.REFUSED, "", "forward takes no cache"),

@@ -38,7 +38,7 @@ from kvhandoff.errors import (
 from kvhandoff.layout import NO_LAYER, Component, Layout, RowKind, TensorSpec
 from kvhandoff.plan import Indices, Plan, check_compatible, plan
 from kvhandoff.plan.execute import HostMemory, execute
-from kvhandoff.shapes import LayerKind, ModelShape
+from kvhandoff.shapes import ConvInput, LayerKind, ModelShape
 from kvhandoff.state_types import LengthPolicy, StateType, policy
 
 TP_PAIRS = [(1, 1), (2, 1), (1, 2), (2, 4), (4, 2), (8, 2)]
@@ -64,9 +64,17 @@ def sem(shape: ModelShape, comp: Component, t: TensorSpec) -> Sem | None:
     """How ``t`` is split over TP ranks, from the model's published dims; None = replicated."""
     s = shape
     if comp.type in (StateType.KV, StateType.SWA):  # NHD page rows: heads × head_dim
-        return Sem(1, (s.kv_heads,), s.head_dim * s.kv_dtype_bytes)
-    if comp.type is StateType.SHORT_CONV:  # (channels, K-1): one channel axis
+        heads, k_dim, v_dim = s.kv_geometry(t.layer_id)  # the layer's KV group
+        return Sem(1, (heads,), (k_dim if t.name == "k" else v_dim) * s.kv_dtype_bytes)
+    if comp.type is StateType.SHORT_CONV and t.name == "conv":  # (channels, K-1): one axis
         return Sem(1, (s.short_conv_channels,), (s.short_conv_kernel - 1) * s.conv_dtype_bytes)
+    if comp.type is StateType.SHORT_CONV:  # a conv beside attention: over K / V heads, or
+        c = next(c for c in s.layer_convs if c.name == t.name)  # the replicated hidden stream
+        if c.input is ConvInput.HIDDEN:
+            return None
+        heads, k_dim, v_dim = s.kv_geometry(t.layer_id)
+        dim = k_dim if c.input is ConvInput.KEYS else v_dim
+        return Sem(1, (heads,), dim * (c.kernel - 1) * s.conv_dtype_bytes)
     if comp.type is StateType.MAMBA:
         w = s.conv_kernel - 1
         kd = s.linear_k_heads * s.linear_k_dim
@@ -448,6 +456,43 @@ def test_real_shapes_have_published_item_sizes() -> None:
     conv = tensor(kimi, "mamba", "conv", 0)
     assert conv.shard is not None and conv.shard.outer == 3
     assert conv.item_bytes == 3 * (3 * 4096) // 2 * 2
+
+
+def test_kv_groups_have_their_own_page_shape_and_sharding() -> None:
+    """A pool per page shape: Gemma 4's full layers hold 512-dim heads beside 256-dim
+    sliding ones; MiMo-V2-Flash's K and V differ in head dim and its full layers have half
+    the KV heads of its sliding ones, so at TP 8 the sliding group is sharded (one head
+    per rank) while the full group is replicated (each head on two ranks)."""
+    g = real_layout(shapes.GEMMA4, 1, 2)
+    assert tensor(g, "swa", "k", 0).item_bytes == 64 * 2 * 256 * 2
+    assert tensor(g, "kv", "v", 5).item_bytes == 64 * 2 * 512 * 2
+    assert {t.layer_id for t in g.component("kv").tensors} == {5, 11, 17, 23, 29}
+    m = real_layout(shapes.MIMO_V2_FLASH, 3, 8)
+    swa_k, swa_v = tensor(m, "swa", "k", 1), tensor(m, "swa", "v", 1)
+    full_k = tensor(m, "kv", "k", 0)
+    assert (swa_k.item_bytes, swa_v.item_bytes) == (64 * 192 * 2, 64 * 128 * 2)
+    assert full_k.item_bytes == 64 * 192 * 2
+    assert swa_k.shard is not None and full_k.shard is not None
+    assert swa_k.shard.ranges(3, 8)[0].replicas == 1
+    assert (full_k.shard.ranges(3, 8)[0].start, full_k.shard.ranges(3, 8)[0].replicas) == (1, 2)
+    ink = real_layout(shapes.INKLING, 1, 4)
+    assert tensor(ink, "swa", "k", 0).item_bytes == 64 * 4 * 128 * 2
+    assert tensor(ink, "kv", "v", 5).item_bytes == 64 * 2 * 128 * 2
+    assert tensor(ink, "short_conv", "conv0", 0).item_bytes == 4 * 128 * 3 * 2  # K heads / 4
+    assert tensor(ink, "short_conv", "conv1", 5).item_bytes == 2 * 128 * 3 * 2  # V heads / 4
+    hidden = tensor(ink, "short_conv", "conv3", 5)
+    assert hidden.shard is None and hidden.item_bytes == 6144 * 3 * 2  # replicated
+    # a decode whose full layers have another head dim is refused before any request,
+    # naming the layer; the same model across TP (one group replicated, one not) is fine
+    other = dataclasses.replace(shapes.GEMMA4, kv_groups=(
+        shapes.KVGroup(layers=shapes.GEMMA4.kv_groups[0].layers, kv_heads=4, head_dim=256),))
+    with pytest.raises(LayoutMismatch, match=r"component 'kv' tensor 'k' layer 5"):
+        check_compatible(real_layout(shapes.GEMMA4, 0, 2), real_layout(other, 0, 2))
+    check_compatible(real_layout(shapes.MIMO_V2_FLASH, 0, 2),
+                     real_layout(shapes.MIMO_V2_FLASH, 5, 8))
+    with pytest.raises(LayoutError, match="no attention layers"):
+        dataclasses.replace(shapes.GEMMA4, kv_groups=(
+            shapes.KVGroup(layers=(30,), kv_heads=4, head_dim=512),))
 
 
 def test_jamba_mamba1_slots_are_sharded_by_d_inner() -> None:

@@ -885,3 +885,32 @@ def test_padded_rows_of_many_items_do_not_coalesce_over_the_padding() -> None:
     assert_execute_matches([p], srcs, dst, want)
     srcs, dst = build_all(case((0, 0)))
     assert len(plan(srcs[0].layout, dst.layout, case((0, 0)).request).coalesce()) == 1
+
+
+MIXED_SHAPES = ["gemma4", "mimo_v2_flash", "inkling"]
+MIXED_TP = [(2, 1), (1, 2), (4, 2), (2, 4)]
+
+
+@pytest.mark.parametrize("tp", MIXED_TP, ids=[f"tp{a}to{b}" for a, b in MIXED_TP])
+@pytest.mark.parametrize("name", MIXED_SHAPES)
+def test_layers_of_mixed_kv_shapes_match_the_oracle(name: str, tp: tuple[int, int]) -> None:
+    """Named shapes whose attention layers differ in KV heads / head dims (a pool per page
+    shape), whose K and V differ in head dim, and whose layers keep short convs beside
+    their attention (head-sharded over K/V, replicated over the hidden stream): the planner
+    writes exactly the oracle's bytes into every decode rank, at TP 2→1, 1→2 and where a
+    group is replicated on one side and sharded on the other."""
+    from kvhandoff import shapes
+
+    shape = shapes.tiny(shapes.get(name))
+    sizes = {"page_size": 4, "num_pages": 8, "num_slots": 3}
+    srcs = [shapes.layout_for(shape, tp_rank=r, tp_size=tp[0], **sizes) for r in range(tp[0])]
+    for d in range(tp[1]):
+        dst = shapes.layout_for(shape, tp_rank=d, tp_size=tp[1], **sizes)
+        request = shapes.request_for(shape, srcs[0], dst, 13, seed=d)
+        want = expected_writes(srcs, dst, request)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", TrimWarning)
+            plans = [plan(s, dst, request) for s in srcs]
+        assert_same_map(plans, want)
+        assert {"kv", "swa"} <= want.moved
+        assert ("short_conv" in want.moved) == (name == "inkling")
