@@ -23,8 +23,14 @@ Runs over loopback tcp by default (``--transport`` picks another).
   transport time for the same plan, alternating (each session handoff is followed by a
   raw write, so both see the same interference); the ratio is the median of the pairs'
   ratios. Goal: ≤ 1.1×.
+* **auth overhead** (``--auth``) — the tiny handoffs and the big one with the deployment
+  secret (every control message signed and checked, :mod:`kvhandoff.session.control_auth`;
+  plus whatever the transport authenticates with it) and without, in alternating
+  blocks of the same run: the ratios of the p50s. Goals: tiny ≤ 1.05×, big ≤ 1.01×.
+  ``--auth-only`` runs just this comparison.
 
     kvhandoff bench session [--json PATH] [--quick] [--transport NAME] [--control-status]
+                            [--auth | --auth-only]
 
 On tcp a chunk's status reaches decode in band, with the writes
 (:mod:`kvhandoff.session.notices`); ``--control-status`` sends it over the control
@@ -44,6 +50,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -123,11 +130,19 @@ def _request(case: Case, src: Layout, dst: Layout, i: int) -> dict[str, Any]:
 
 
 UNMETERED = "-unmetered"  # a phase name's suffix: its agents count nothing in the metrics
+AUTHED = "-auth"  # a phase name's suffix: its agents hold the deployment secret
 
 
-def _config(instance: str, transport: str, in_band: bool = True) -> SessionConfig:
+def _kind(phase: str) -> str:
+    """``latency``, ``throughput`` or ``big``, whatever the phase's suffix."""
+    return phase.split("-", 1)[0]
+
+
+def _config(instance: str, transport: str, in_band: bool = True, secret_file: str = ""
+            ) -> SessionConfig:
     return SessionConfig.from_env({}, instance=instance, transport=transport,
                                   in_band_status=in_band,
+                                  secret_file=secret_file if instance.endswith(AUTHED) else "",
                                   metrics=not instance.endswith(UNMETERED),
                                   transfer_timeout=TIMEOUT,
                                   waiting_timeout=TIMEOUT, indices_timeout=TIMEOUT,
@@ -139,7 +154,7 @@ def _config(instance: str, transport: str, in_band: bool = True) -> SessionConfi
 # The two processes
 
 
-def _prefill(conn: Connection, url: str, transport: str) -> None:
+def _prefill(conn: Connection, url: str, transport: str, secret_file: str) -> None:
     for _ in range(100):
         cmd = conn.recv()
         if cmd[0] == "exit":
@@ -148,20 +163,21 @@ def _prefill(conn: Connection, url: str, transport: str) -> None:
         src, bufs = _layout(case, 1)
         dst = layout_from_msg(dst_msg)
         with Agent.prefill(src, bootstrap_url=url,
-                           config=_config(f"bench-{phase}", transport)) as agent, \
+                           config=_config(f"bench-{phase}", transport,
+                                          secret_file=secret_file)) as agent, \
                 create_transport(transport) as raw:
             raw.register(src)
             conn.send(("ready",))
             peer = raw.connect(conn.recv())  # decode's raw receiver
-            count = n if phase == "throughput" else 1
+            count = n if _kind(phase) == "throughput" else 1
             plans = [plan(src, dst, _request(case, src, dst, i)) for i in range(count)]
             for _ in range(3):  # warm the raw connection up
                 _raw_once(raw, peer, plans)
-            if phase == "throughput":
+            if _kind(phase) == "throughput":
                 _prefill_rounds(conn, agent, raw, peer, plans, case, src, dst, n, rounds)
             else:
                 conn.send(_prefill_one_by_one(agent, raw, peer, plans, case, src, dst, n,
-                                              interleave=phase == "big"))
+                                              interleave=_kind(phase) == "big"))
             peer.close()
             conn.recv()  # decode is done: close
         del bufs
@@ -224,7 +240,8 @@ def _prefill_rounds(conn: Connection, agent: Agent, raw: Transport, peer: Peer,
         conn.send(_raw_once(raw, peer, plans))
 
 
-def _decode(conn: Connection, url: str, transport: str, in_band: bool) -> None:
+def _decode(conn: Connection, url: str, transport: str, in_band: bool, secret_file: str
+            ) -> None:
     lay: Layout | None = None
     bufs: list[np.ndarray] = []  # keeps the layout's memory alive
     for _ in range(100):
@@ -237,11 +254,12 @@ def _decode(conn: Connection, url: str, transport: str, in_band: bool) -> None:
             continue
         _, phase, case, n, rounds = cmd
         assert lay is not None and bufs
-        with Agent.decode(lay, config=_config(f"bench-{phase}", transport, in_band)) as agent, \
+        with Agent.decode(lay, config=_config(f"bench-{phase}", transport, in_band,
+                                              secret_file)) as agent, \
                 create_transport(transport) as raw:  # the raw baseline's receiver
             raw.register(lay)
             conn.send(raw.endpoint())
-            if phase == "throughput":
+            if _kind(phase) == "throughput":
                 for r in range(rounds):
                     conn.recv()  # go
                     conn.send(_decode_round(agent, url, case, lay, n, r))
@@ -288,13 +306,14 @@ def _decode_round(agent: Agent, url: str, case: Case, lay: Layout, n: int, r: in
 
 
 class Pair:
-    def __init__(self, url: str, transport: str, in_band: bool) -> None:
+    def __init__(self, url: str, transport: str, in_band: bool, secret_file: str = "") -> None:
         ctx = mp.get_context("spawn")
         self.p, pc = ctx.Pipe()
         self.d, dc = ctx.Pipe()
-        self.procs = [ctx.Process(target=_prefill, args=(pc, url, transport), daemon=True),
-                      ctx.Process(target=_decode, args=(dc, url, transport, in_band),
-                                  daemon=True)]
+        self.procs = [ctx.Process(target=_prefill, args=(pc, url, transport, secret_file),
+                                  daemon=True),
+                      ctx.Process(target=_decode, args=(dc, url, transport, in_band,
+                                                        secret_file), daemon=True)]
         for p in self.procs:
             p.start()
 
@@ -306,7 +325,7 @@ class Pair:
         self.d.send(("run", phase, case, n, rounds))
         self.p.send(self._recv(self.d))  # the raw receiver's endpoint
         out: dict[str, Any]
-        if phase == "throughput":
+        if _kind(phase) == "throughput":
             sess, raw, bad = [], [], []
             for _ in range(rounds):  # alternate: both see the same interference
                 self.p.send(("go",))
@@ -346,7 +365,8 @@ def _summary(xs: list[float]) -> dict[str, float]:
             "mean_ms": float(np.mean(xs) * 1e3) if xs else 0.0, "n": len(xs)}
 
 
-def run(quick: bool, transport: str = "tcp", in_band: bool = True) -> dict[str, Any]:
+def run(quick: bool, transport: str = "tcp", in_band: bool = True, *, auth: bool = False,
+        only_auth: bool = False) -> dict[str, Any]:
     n_lat = 200 if quick else 2000
     rounds = 5 if quick else 30
     tiny = Case("tiny", "tiny", page=16, tokens=16, pages=CONCURRENT + 2,
@@ -355,9 +375,18 @@ def run(quick: bool, transport: str = "tcp", in_band: bool = True) -> dict[str, 
     out: dict[str, Any] = {"machine": platform.platform(), "python": sys.version.split()[0],
                            "cpus": os.cpu_count(), "transport": transport, "quick": quick,
                            "in_band_status": in_band}
-    with BootstrapServer() as srv:
-        pair = Pair(srv.url, transport, in_band)
+    with BootstrapServer() as srv, tempfile.TemporaryDirectory() as tmp:
+        secret = ""
+        if auth or only_auth:
+            from kvhandoff.session.secret import write_secret_file
+            secret = write_secret_file(os.path.join(tmp, "secret"))
+        pair = Pair(srv.url, transport, in_band, secret)
         try:
+            if secret:
+                out["auth_overhead"] = _auth_overhead(pair, tiny, big, n_lat // 2,
+                                                      8 if quick else 40)
+            if only_auth:
+                return out
             lat = pair.run("latency", tiny, n_lat)
             t0s, (starts, ends) = lat["prefill"], lat["decode"]
             skip = min(50, n_lat // 10)  # warm-up
@@ -390,6 +419,34 @@ def run(quick: bool, transport: str = "tcp", in_band: bool = True) -> dict[str, 
                                                                           strict=True))}
         finally:
             pair.close()
+    return out
+
+
+def _auth_overhead(pair: Pair, tiny: Case, big: Case, n: int, reps: int, blocks: int = 4
+                   ) -> dict[str, float]:
+    """Tiny and big handoffs with the deployment secret and without, in alternating
+    blocks, ABBA (both see the same interference): the p50s and their ratios, of the handoff
+    (last send to SUCCESS: on tcp the status travels in band, so no control message is
+    on this path unless ``--control-status``) and, for tiny, of the round trip (the
+    Receiver's indices to prefill, the write, the status back)."""
+    out: dict[str, float] = {}
+    for name, case, count, skip in (("tiny", tiny, n // blocks, min(50, n // blocks // 4)),
+                                    ("big", big, max(2, reps // blocks), 1)):
+        on: dict[str, list[float]] = {"": [], "_round_trip": []}
+        off: dict[str, list[float]] = {"": [], "_round_trip": []}
+        for b in range(2 * blocks):
+            authed = b % 4 in (0, 3)  # ABBA: neither mode always goes first
+            phase = ("latency" if name == "tiny" else "big") + (AUTHED if authed else "")
+            res = pair.run(phase, case, count)
+            t0s, (starts, ends) = res["prefill"], res["decode"]
+            into = on if authed else off
+            into[""] += [e - t for t, e in zip(t0s, ends, strict=True)][skip:]
+            into["_round_trip"] += [e - t for t, e in zip(starts, ends, strict=True)][skip:]
+        for what in ("", "_round_trip") if name == "tiny" else ("",):
+            p_on, p_off = _pct(on[what], 50), _pct(off[what], 50)
+            out |= {f"{name}{what}_auth_p50_ms": p_on, f"{name}{what}_plain_p50_ms": p_off,
+                    f"{name}{what}_ratio": p_on / p_off if p_off else 0.0}
+        out[f"{name}_n_each"] = len(on[""])
     return out
 
 
@@ -453,8 +510,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--control-status", action="store_true",
                     help="send chunk statuses over the control socket even where the "
                          "transport could carry them in band (to measure the difference)")
+    ap.add_argument("--auth", action="store_true",
+                    help="also compare handoffs with the deployment secret and without")
+    ap.add_argument("--auth-only", action="store_true",
+                    help="run only the comparison with and without the deployment secret")
     args = ap.parse_args(argv)
-    res = run(args.quick, args.transport, in_band=not args.control_status)
+    res = run(args.quick, args.transport, in_band=not args.control_status, auth=args.auth,
+              only_auth=args.auth_only)
+    if "auth_overhead" in res:
+        ao = res["auth_overhead"]
+        for name, goal in (("tiny", 1.05), ("tiny_round_trip", 1.05), ("big", 1.01)):
+            r = ao[f"{name}_ratio"]
+            print(f"auth on vs off, {name} handoff (alternating blocks, same run): p50 "
+                  f"{ao[f'{name}_auth_p50_ms']:.3f} vs {ao[f'{name}_plain_p50_ms']:.3f} ms = "
+                  f"{r:.3f}x [goal <= {goal}x: {'met' if r <= goal else 'NOT met'}]")
+    if args.auth_only:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(res, indent=2))
+        print(f"wrote {args.json}")
+        return 0
     lat, thr, big = res["latency"], res["throughput"], res["big"]
     print(f"tiny handoff ({lat['bytes']} B): p50 {lat['handoff']['p50_ms']:.3f} ms, "
           f"p99 {lat['handoff']['p99_ms']:.3f} ms  [goal p50 <= 1 ms: "

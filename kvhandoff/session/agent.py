@@ -29,6 +29,14 @@ own threads; :mod:`~kvhandoff.session.completion`) and ``config.workers`` worker
 threads for blocking jobs (bootstrap lookups, handshakes, checksum checks), plus the
 transport's own.
 
+Authentication: with ``config.secret_file`` set, the agent loads the deployment secret
+(a :class:`~kvhandoff.session.secret.SecretError` names what is wrong with the file, at
+construction) and its control channel signs and checks every message with the secret's
+control key (:mod:`~kvhandoff.session.control_auth`); its peers must hold the same
+secret. Without one it speaks plain messages, as on a loopback development host. A
+decode rank whose handshake reaches a prefill rank that does not hold the same secret
+fails that handshake at once, saying so (see :meth:`handshake`).
+
 Thread-safety: every public method may be called from any thread. Internally the agent
 lock and the desk's lock guard only their own tables and are never held while calling
 into a request (each request has its own lock), so the two never deadlock.
@@ -69,6 +77,7 @@ from kvhandoff.session.memory import TensorViews
 from kvhandoff.session.peers import DecodePeer, DecodePeers
 from kvhandoff.session.prefill_desk import PrefillDesk
 from kvhandoff.session.receiver import Receiver
+from kvhandoff.session.secret import PURPOSE_CONTROL, Secret, data_key
 from kvhandoff.session.sender import Sender
 from kvhandoff.session.watch import PeerWatch
 from kvhandoff.transport.base import Handle, Transport
@@ -138,10 +147,13 @@ class Agent:
 
     def _start(self, transport: Transport | None, dp_rank: int, dp_size: int) -> None:
         cfg = self.config
+        # first: a secret file that cannot be used stops the agent before anything starts
+        key = Secret.load(cfg.secret_file).key(PURPOSE_CONTROL) if cfg.secret_file else None
         if cfg.metrics_port >= 0:
             serve_process_metrics(cfg.metrics_port, cfg.host)
-        t = transport if transport is not None else create_transport(
-            cfg.transport, **dict(cfg.transport_options))
+        data_secret = data_key(cfg.secret_file)
+        t = transport if transport is not None else create_transport(  # options may override
+            cfg.transport, **{"data_secret": data_secret, **cfg.transport_options})
         self._transport = t
         t.register(self.layout)
         transport_endpoint = t.endpoint()  # after registering: the endpoint may carry it
@@ -150,7 +162,7 @@ class Agent:
         self._control = ControlChannel(
             host=cfg.host, port=cfg.port, dial_host=cfg.dial_host, on_message=self._on_message,
             on_tick=self._on_tick, on_undeliverable=self._on_undeliverable, tick=cfg.tick,
-            name=self.name)
+            name=self.name, key=key, on_unauthenticated=self._on_unauthenticated)
         lay = self.layout
         self.rank_id = RankId(instance=cfg.instance, dp_rank=dp_rank, tp_rank=lay.tp_rank,
                               tp_size=lay.tp_size, pp_rank=lay.pp_rank, pp_size=lay.pp_size)
@@ -214,7 +226,8 @@ class Agent:
     @property
     def stats(self) -> dict[str, int]:
         desk = self._desk
-        out = dict(self._control.stats) if self._control is not None else {}
+        out = dict.fromkeys(("received", "sent", "malformed", "unauthenticated"), 0)
+        out.update(self._control.stats if self._control is not None else {})
         out["live_requests"] = self.live_requests
         out["decode_peers"] = len(desk.peers) if isinstance(desk, PrefillDesk) else 0
         out["in_band_statuses"] = desk.in_band if isinstance(desk, DecodeDesk) else 0
@@ -222,6 +235,8 @@ class Agent:
                                    if g.state is GroupState.READY) \
             if isinstance(desk, DecodeDesk) else 0
         out["suspect_peers"] = self._watch.suspects  # a write to them was lost; being probed
+        # request-scoped messages from an endpoint that is not that request's peer
+        out["not_request_peer"] = desk.not_request_peer if desk is not None else 0
         t = self._transport
         out["staging_slots"] = t.staging_slots_in_use if t is not None else 0
         return out
@@ -345,7 +360,7 @@ class Agent:
                 self._watch.acked(origin.endpoint, msg.seq)
             case ErrorReply():  # never answered: two agents must not trade errors forever
                 log.warning("agent %s: %s answered with an error: %s", self.name, origin,
-                            msg.reason)
+                            msg.reason[:500])
                 if self._desk is not None:
                     self._desk.on_message(origin, msg)
             case _:
@@ -357,6 +372,12 @@ class Agent:
 
     def _on_undeliverable(self, endpoint: str, reason: str) -> None:
         self._peer_lost(endpoint, reason)
+
+    def _on_unauthenticated(self, endpoint: str, reason: str) -> None:
+        """A peer we dialed answered with something that failed authentication (it does
+        not hold our secret): a handshake waiting for it fails now, with ``reason``."""
+        if isinstance(self._desk, DecodeDesk):
+            self._desk.groups.refuse(endpoint, reason)
 
     def _on_tick(self, now: float) -> None:
         if isinstance(self._desk, PrefillDesk):

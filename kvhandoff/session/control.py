@@ -3,11 +3,12 @@
 Sockets (all in this channel's own ``zmq.Context``, terminated by :meth:`close`):
 
 * one **ROUTER** bound at ``tcp://host:port``: every message a peer sends us arrives
-  here. Peers' DEALERs carry their own control endpoint as ``ROUTING_ID``, so the
-  identity tells who spoke (:class:`Origin`).
+  here. Without a key, peers' DEALERs carry their own control endpoint as
+  ``ROUTING_ID``, so the identity tells who spoke (:class:`Origin`); with one, the
+  ROUTER names each connection and the verified header tells who spoke.
 * one **DEALER** per peer endpoint we send to, connected lazily, ``ROUTING_ID`` = our
-  endpoint. Replies a peer sends back on its ROUTER (heartbeat acks, error replies)
-  arrive on these and are handled like any other message.
+  endpoint (none with a key). Replies a peer sends back on its ROUTER (heartbeat acks,
+  error replies) arrive on these and are handled like any other message.
 
 Sending is direct: :meth:`send` writes to the peer's DEALER on the caller's thread,
 under the channel's dealer lock (a mutex is the full barrier ZeroMQ asks for when a
@@ -17,6 +18,22 @@ passes a DEALER to ``zmq_poll``: it polls each DEALER's notification descriptor
 (``ZMQ_FD``) and reads the DEALERs under the same lock; a sender that finds input
 pending after its send (it may have consumed that edge) wakes the I/O thread. Only
 the I/O thread closes sockets (retired DEALERs are handed to it).
+
+Authentication (with a key: the deployment secret's control key, see
+:mod:`~kvhandoff.session.control_auth`, which also says why MACs and not CURVE): every
+message leaves as one frame, a signed header and then the message, and every message
+that arrives is checked before it is decoded: the MAC over the sender's endpoint (the one
+its header names, which for a reply on our DEALER must be the endpoint it dials) and
+ours, its timestamp, and its sequence number against replays; the verified endpoint is
+the :class:`Origin`'s. One that fails is dropped unread and counted in
+``stats["unauthenticated"]``, logged at a bounded rate, and, if it came on the ROUTER,
+answered with an :class:`ErrorReply` saying only
+:data:`~kvhandoff.session.control_auth.UNAUTHENTICATED`. A reply on one of our DEALERs
+that fails (or, without a key, one that is signed) goes to ``on_unauthenticated`` with
+the endpoint and why: the peer there does not hold our secret, which a decode rank's
+handshake reports at once. Without a key the channel sends and takes plain one-frame
+messages (loopback development); a signed message is then refused, naming the cause
+(a plain message never starts with the header's magic bytes).
 
 Bytes in, messages out: every frame goes through :func:`~kvhandoff.protocol.decode_message`.
 Anything that does not decode (junk, an unknown tag, an extra frame, an oversized
@@ -56,10 +73,21 @@ from kvhandoff.protocol import (
     decode_message,
     encode_message,
 )
+from kvhandoff.session.control_auth import (
+    UNAUTHENTICATED,
+    Signer,
+    Stream,
+    Unauthenticated,
+    Verifier,
+    is_signed,
+)
 from kvhandoff.transport.throttle import Throttle
 
 log = logging.getLogger("kvhandoff.session.control")
 _malformed = Throttle(log)  # junk is counted in stats; logged at most every 10 s
+_unauthenticated = Throttle(log)  # as junk, but apart: one must not hide the other
+_NO_KEY = ("control message is signed but this agent has no deployment secret: is "
+           "KVHANDOFF_SECRET_FILE the same on both sides?")
 
 _BATCH = 256  # messages read from one socket per wake-up, so no socket starves the others
 _HWM = 100_000
@@ -81,7 +109,7 @@ class Origin:
 
 MessageHandler = Callable[[Origin, Message], None]
 TickHandler = Callable[[float], None]
-FailureHandler = Callable[[str, str], None]
+FailureHandler = Callable[[str, str], None]  # (peer endpoint, why)
 
 
 class ControlChannel:
@@ -89,10 +117,14 @@ class ControlChannel:
 
     def __init__(self, *, host: str, port: int, dial_host: str, on_message: MessageHandler,
                  on_tick: TickHandler, on_undeliverable: FailureHandler, tick: float,
-                 name: str = "agent", flush_timeout: float = 0.25) -> None:
+                 name: str = "agent", flush_timeout: float = 0.25, key: bytes | None = None,
+                 on_unauthenticated: FailureHandler | None = None) -> None:
         self._on_message = on_message
         self._on_tick = on_tick
         self._on_undeliverable = on_undeliverable
+        self._on_unauthenticated = on_unauthenticated
+        self._signer: Signer | None = None
+        self._verifier: Verifier | None = None
         self._tick = tick
         self._flush_ms = int(flush_timeout * 1000)
         self.stats: collections.Counter[str] = collections.Counter()
@@ -114,6 +146,9 @@ class ControlChannel:
                 port = router.bind_to_random_port(f"tcp://{bind_host}")
             self.endpoint = f"tcp://{dial_host}:{port}"
             self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+            if key is not None:
+                self._signer = Signer(key, endpoint=self.endpoint, now=time.time())
+                self._verifier = Verifier(key, endpoint=self.endpoint)
         except BaseException:
             self._teardown()
             raise
@@ -145,7 +180,11 @@ class ControlChannel:
                 if d is None:
                     d = self._open_dealer(endpoint)
                     wake = True  # the I/O thread watches the new DEALER
-                d.sock.send(buf, zmq.NOBLOCK)
+                if self._signer is None:
+                    d.sock.send(buf, zmq.NOBLOCK)
+                else:  # signed here, under the lock: this DEALER's frames stay in order
+                    d.sock.send(self._signer.seal(buf, recipient=d.name, stream=Stream.DEALER,
+                                                  now=time.time()), zmq.NOBLOCK)
                 d.used = time.monotonic()
                 self.stats["sent"] += 1
                 # our send may have consumed the descriptor's edge for a pending reply
@@ -163,7 +202,7 @@ class ControlChannel:
     def reply(self, origin: Origin, msg: Message) -> None:
         """Answer ``origin`` on the connection it spoke on (works for unnamed clients)."""
         if origin.identity is not None:
-            self._push(("router", origin.identity, encode_message(msg)))
+            self._answer(origin, encode_message(msg))
         elif origin.endpoint is not None:
             self.send(origin.endpoint, msg)
 
@@ -176,6 +215,11 @@ class ControlChannel:
                 return
             self._retired.append(d)
         self._push(("sync", "", b""))
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether this channel signs and checks every message (it has a key)."""
+        return self._signer is not None
 
     @property
     def alive(self) -> bool:
@@ -195,6 +239,13 @@ class ControlChannel:
             return
         self._teardown()
 
+    def _answer(self, origin: Origin, buf: bytes) -> None:
+        """Queue ``buf`` for ``origin``'s connection to our ROUTER; signed (on the I/O
+        thread) for the endpoint it is from."""
+        assert origin.identity is not None
+        to = origin.endpoint.encode() if origin.endpoint is not None else origin.identity
+        self._push(("router", origin.identity, (buf, to)))
+
     def _push(self, item: tuple[str, Any, Any]) -> None:
         self._out.append(item)
         if not self._armed:
@@ -210,7 +261,8 @@ class ControlChannel:
         """A DEALER to ``endpoint`` (caller holds the dealer lock)."""
         sock = self._ctx.socket(zmq.DEALER)
         try:
-            sock.setsockopt(zmq.ROUTING_ID, self.endpoint.encode())
+            if self._signer is None:  # with a key, the signed header names us instead
+                sock.setsockopt(zmq.ROUTING_ID, self.endpoint.encode())
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, _HWM)
             sock.setsockopt(zmq.RCVHWM, _HWM)
@@ -223,7 +275,7 @@ class ControlChannel:
         except zmq.ZMQError:
             sock.close(linger=0)
             raise
-        d = _Dealer(endpoint, sock, fd, time.monotonic())
+        d = _Dealer(endpoint, endpoint.encode(), sock, fd, time.monotonic())
         self._dealers[endpoint] = d
         return d
 
@@ -277,8 +329,12 @@ class ControlChannel:
             kind, target, payload = self._out.popleft()
             if kind == "router":
                 assert self._router is not None
+                buf, to = payload
+                if self._signer is not None:  # signed on this thread: in queue order
+                    buf = self._signer.seal(buf, recipient=to, stream=Stream.ROUTER,
+                                            now=time.time())
                 try:
-                    self._router.send_multipart([target, payload], zmq.NOBLOCK)
+                    self._router.send_multipart([target, buf], zmq.NOBLOCK)
                     self.stats["sent"] += 1
                 except zmq.ZMQError as e:  # unknown or gone identity: nothing to tell
                     self.stats["reply_dropped"] += 1
@@ -319,32 +375,77 @@ class ControlChannel:
             except zmq.Again:
                 return
             identity, payload = frames[0], frames[1:]
-            name = identity.decode("ascii", "replace") if identity.startswith(b"tcp://") else None
-            origin = Origin(name, identity)
-            if len(payload) != 1:
-                self._reject(origin, f"expected one frame per message, got {len(payload)}")
+            opened = self._open(payload, sender=None, stream=Stream.DEALER)
+            if isinstance(opened, _Refused):
+                self._refuse(Origin(_name(identity) if self._verifier is None else None,
+                                    identity), opened)
                 continue
-            self._dispatch(origin, payload[0])
+            msg, named = opened
+            self._dispatch(Origin(_name(identity if named is None else named), identity), msg)
 
     def _read_dealers(self) -> None:
         """Read what arrived on the DEALERs (under the lock), then handle it (without)."""
-        got: list[tuple[str, list[bytes]]] = []
+        got: list[tuple[tuple[str, bytes], list[bytes]]] = []
         with self._dlock:
             for d in self._dealers.values():
                 for _ in range(_BATCH):
                     if not _readable(d.sock):
                         break
                     try:
-                        got.append((d.endpoint, d.sock.recv_multipart(zmq.NOBLOCK)))
+                        got.append(((d.endpoint, d.name), d.sock.recv_multipart(zmq.NOBLOCK)))
                     except zmq.Again:
                         break
-        for endpoint, frames in got:
-            if len(frames) != 1:
-                self.stats["malformed"] += 1
+        for (endpoint, name), frames in got:
+            opened = self._open(frames, sender=name, stream=Stream.ROUTER)
+            if isinstance(opened, _Refused):
+                self._refuse(Origin(endpoint, None), opened)
                 continue
-            self._dispatch(Origin(endpoint, None), frames[0])
+            self._dispatch(Origin(endpoint, None), opened[0])
 
-    def _dispatch(self, origin: Origin, payload: bytes) -> None:
+    def _open(self, frames: list[bytes], *, sender: bytes | None, stream: Stream
+              ) -> tuple[bytes | memoryview, bytes | None] | _Refused:
+        """The message of what arrived, and (with a key) the endpoint its verified header
+        names (``sender``: the one it must name, when known); else why it is refused."""
+        if len(frames) != 1:
+            return _Refused(f"expected one frame per message, got {len(frames)}",
+                            unauthenticated=self._verifier is not None)
+        if self._verifier is None:
+            if is_signed(frames[0]):
+                return _Refused(_NO_KEY, unauthenticated=True)
+            return frames[0], None
+        try:
+            return self._verifier.open(frames[0], sender=sender, stream=stream,
+                                       now=time.time())
+        except Unauthenticated as e:
+            return _Refused(e.reason, unauthenticated=True)
+
+    def _refuse(self, origin: Origin, why: _Refused) -> None:
+        """Drop what failed :meth:`_open`: counted, logged at a bounded rate; a peer that
+        spoke on our ROUTER is told (only that it is not authenticated, for an
+        authentication failure); a reply on our DEALER is never answered, and a failed
+        authentication there is reported to ``on_unauthenticated``."""
+        if not why.unauthenticated:
+            self._reject(origin, why.reason)
+            return
+        self.stats["unauthenticated"] += 1
+        _unauthenticated("control message from %s not authenticated (%s): is "
+                         "KVHANDOFF_SECRET_FILE the same on both sides?", origin, why.reason)
+        if origin.identity is not None:
+            answer = UNAUTHENTICATED if self._verifier is not None else _NO_KEY
+            self._answer(origin, encode_message(ErrorReply(reason=answer)))
+        elif origin.endpoint is not None and self._on_unauthenticated is not None:
+            hint = "is KVHANDOFF_SECRET_FILE the same on both sides?"
+            if self._verifier is None:
+                what = ("its answers are signed, but this agent has no deployment secret "
+                        "(KVHANDOFF_SECRET_FILE unset)")
+            else:
+                what = f"its answer failed authentication: {why.reason}"
+            self._guard("unauthenticated", functools.partial(
+                self._on_unauthenticated, origin.endpoint,
+                f"control message not authenticated: {hint} (the peer at {origin.endpoint}: "
+                f"{what})"))
+
+    def _dispatch(self, origin: Origin, payload: bytes | memoryview) -> None:
         self.stats["received"] += 1
         try:
             msg = decode_message(payload)
@@ -357,8 +458,7 @@ class ControlChannel:
         self.stats["malformed"] += 1
         _malformed("malformed control message from %s: %s", origin, reason[:200])
         if origin.identity is not None:  # never answer a reply: no error ping-pong
-            self._push(("router", origin.identity,
-                        encode_message(ErrorReply(reason=reason[:4000]))))
+            self._answer(origin, encode_message(ErrorReply(reason=reason[:4000])))
 
     def _guard(self, what: str, call: Callable[[], None]) -> None:
         """Run a callback; a bug in it is logged, counted, and never stops the thread."""
@@ -380,9 +480,22 @@ class ControlChannel:
         self._ctx.term()
 
 
+def _name(identity: bytes) -> str | None:
+    """The control endpoint an identity names, if it names one."""
+    return identity.decode("ascii", "replace") if identity.startswith(b"tcp://") else None
+
+
 def _readable(sock: zmq.Socket[bytes]) -> bool:
     """Whether a message waits on ``sock`` (processes its pending commands)."""
     return bool(int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+
+
+@dataclass(frozen=True, slots=True)
+class _Refused:
+    """Why an arriving message is dropped before decoding."""
+
+    reason: str
+    unauthenticated: bool = False  # an authentication failure (else malformed)
 
 
 @dataclass(eq=False, slots=True)
@@ -390,6 +503,7 @@ class _Dealer:
     """One DEALER and its notification descriptor (used under the dealer lock)."""
 
     endpoint: str
+    name: bytes  # the endpoint as bytes: what a signed frame to or from it names
     sock: zmq.Socket[bytes]
     fd: int
     used: float  # last send

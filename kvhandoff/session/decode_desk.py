@@ -7,6 +7,14 @@ the rank), and routes prefill ranks' answers to this rank's
 control socket, or in band with the writes through the transport's notices,
 :mod:`~kvhandoff.session.notices`), aborts, abort acks and error replies.
 
+Authorization: a message about a request is taken only from that request's own prefill
+ranks (the ranks of its prefill group, as handshaken, or those its indices went to): an
+``Abort``, a ``TransferStatus`` or an ``ErrorReply`` naming a request from any other
+endpoint changes nothing, and is counted in :attr:`DecodeDesk.not_request_peer`. (With
+the deployment secret, the endpoint is authenticated; without, it is only what the
+peer claims.) A reason a prefill rank gives (abort, failed status, error reply) is cut to
+``MAX_REASON`` characters before a Receiver keeps it.
+
 The agent owns the sockets, threads and liveness and hands the desk every control
 message it does not handle itself; the desk reaches the agent through the same
 :class:`~kvhandoff.session.host.RankHost` its Receivers use.
@@ -20,6 +28,8 @@ from __future__ import annotations
 
 import logging
 import threading
+
+import msgspec
 
 from kvhandoff.observe.report import process_metrics
 from kvhandoff.protocol import (
@@ -42,9 +52,12 @@ from kvhandoff.session.errors import AgentClosed, BootstrapFailed, SessionError
 from kvhandoff.session.groups import GroupState, PrefillGroups
 from kvhandoff.session.host import NO_BACKLOG, Backlog, RankHost, Request
 from kvhandoff.session.notices import NoticeRouter
+from kvhandoff.session.prefill_desk import MAX_REASON
 from kvhandoff.session.receiver import Receiver, bootstrap_url
+from kvhandoff.transport.throttle import Throttle
 
 log = logging.getLogger("kvhandoff.session.agent")  # the agent's voice: one logger per agent
+_foreign = Throttle(log)
 
 
 class DecodeDesk:
@@ -59,6 +72,7 @@ class DecodeDesk:
         self._closed = False
         self.receivers: dict[RequestId, Receiver] = {}
         self.in_band = 0  # statuses that arrived in band
+        self.not_request_peer = 0  # request messages from an endpoint not its peer
         self._router = NoticeRouter.of(t) if cfg.in_band_status else None
         if self._router is not None:
             self._router.add(control_endpoint, self._on_notice)
@@ -115,17 +129,19 @@ class DecodeDesk:
         such (from this origin)."""
         match msg:
             case Abort():
-                r = self._receiver(msg.request_id)
+                r = self._peer_of(origin, msg.request_id, "Abort")
                 if r is not None:
-                    r.on_abort(str(msg.rank), msg.reason)
+                    r.on_abort(str(msg.rank), msg.reason[:MAX_REASON])
             case ErrorReply():
                 self._on_error_reply(origin, msg)
             case HelloAck() | HelloReject() if origin.endpoint:
                 if not self.groups.on_reply(origin.endpoint, msg):
                     log.debug("unexpected handshake answer from %s", origin)
             case TransferStatus() if origin.endpoint:
-                r = self._receiver(msg.request_id)
+                r = self._peer_of(origin, msg.request_id, "TransferStatus")
                 if r is not None:
+                    if len(msg.reason) > MAX_REASON:
+                        msg = msgspec.structs.replace(msg, reason=msg.reason[:MAX_REASON])
                     r.on_status(origin.endpoint, msg)
             case AbortAck() if origin.endpoint:
                 r = self._receiver(msg.request_id)
@@ -134,6 +150,32 @@ class DecodeDesk:
             case _:
                 return False
         return True
+
+    def _peer_of(self, origin: Origin, rid: RequestId, what: str) -> Receiver | None:
+        """The Receiver of ``rid`` if ``origin`` is one of its prefill ranks; else None
+        (counted, and logged at a bounded rate, when the request is live here)."""
+        r = self._receiver(rid)
+        if r is None:
+            return None
+        ep = origin.endpoint
+        if ep is not None and (ep in r.peer_endpoints() or ep in self._group_of(r)):
+            return r
+        with self._lock:
+            self.not_request_peer += 1
+        _foreign("agent %s: ignored %s for request %r from %s: not one of its prefill "
+                 "ranks", self._name, what, rid, origin)
+        return None
+
+    def _group_of(self, r: Receiver) -> frozenset[str]:
+        """The control endpoints of the prefill group ``r`` was routed to (empty before
+        it is routed, or once the group is forgotten)."""
+        if r.dp_rank is None:
+            return frozenset()
+        key = (r.url, r.instance, r.dp_rank)
+        for g in self.groups.groups():
+            if g.key == key:
+                return g.endpoints
+        return frozenset()
 
     def _on_notice(self, notice: StatusNotice) -> None:
         """An in-band status (a transport thread): as if it came over the control socket
@@ -147,15 +189,17 @@ class DecodeDesk:
     def _on_error_reply(self, origin: Origin, msg: ErrorReply) -> None:
         if origin.endpoint is None or msg.request_id is None:
             return
+        r = self._peer_of(origin, msg.request_id, "ErrorReply")
+        if r is None:  # about no request of ours, or from a rank it did not go to
+            return
         unknown = msg.code is ErrorCode.UNKNOWN_PEER
         # a prefill rank that forgot our handshake (it restarted): forget the groups
         # that handshook with it before; one connecting now is already a fresh start
         self.groups.drop_endpoint(origin.endpoint, ready_only=unknown)
-        r = self._receiver(msg.request_id)
-        if r is not None and unknown:
-            r.on_unknown_peer(origin.endpoint, msg.reason)
-        elif r is not None:
-            r.on_rejected(origin.endpoint, msg.reason)
+        if unknown:
+            r.on_unknown_peer(origin.endpoint, msg.reason[:MAX_REASON])
+        else:
+            r.on_rejected(origin.endpoint, msg.reason[:MAX_REASON])
 
     # --- lost peers, closing ----------------------------------------------------------------
 

@@ -7,7 +7,10 @@ Receiver routed to that group shares it. Connecting runs on a worker thread:
 
 1. look the instance up on the bootstrap server until every rank registered (bounded by
    ``bootstrap_timeout``; an unreachable server is retried within that time too);
-2. send ``Hello`` to each candidate rank and wait for every ``HelloAck``/``HelloReject``.
+2. send ``Hello`` to each candidate rank and wait for every ``HelloAck``/``HelloReject``
+   (or until one of them answers with something that fails authentication: it does not
+   hold our deployment secret, :meth:`PrefillGroups.refuse`; no use waiting out the
+   timeout).
 
 The group ends READY, or FAILED with a :class:`~kvhandoff.session.errors.SessionError`
 naming every problem (a rejected handshake lists each rank's reasons). A failed group is
@@ -85,6 +88,7 @@ class PrefillGroup:
         self.ranks: tuple[PrefillRank, ...] = ()
         self.dp_size = 0
         self._replies: dict[str, HelloAck | HelloReject] = {}
+        self._refused: dict[str, str] = {}  # endpoint → why its answer was not authentic
         self._pending: frozenset[str] = frozenset()
         self._waiters: list[Waiter] = []
 
@@ -114,6 +118,15 @@ class PrefillGroup:
             if endpoint not in self._pending or endpoint in self._replies:
                 return False
             self._replies[endpoint] = msg
+            self._cond.notify_all()
+            return True
+
+    def _refuse(self, endpoint: str, reason: str) -> bool:
+        with self._cond:
+            if endpoint not in self._pending or endpoint in self._replies \
+                    or endpoint in self._refused:
+                return False
+            self._refused[endpoint] = reason
             self._cond.notify_all()
             return True
 
@@ -173,6 +186,14 @@ class PrefillGroups:
         with self._lock:
             groups = list(self._groups.values())
         return any(g._reply(endpoint, msg) for g in groups)
+
+    def refuse(self, endpoint: str, reason: str) -> bool:
+        """The prefill rank at ``endpoint`` answered with something that failed
+        authentication (I/O thread): a handshake waiting for it fails now, naming
+        ``reason``. False if none waits for it."""
+        with self._lock:
+            groups = list(self._groups.values())
+        return any([g._refuse(endpoint, reason) for g in groups])
 
     def drop_endpoint(self, endpoint: str, *, ready_only: bool = False) -> list[PrefillGroup]:
         """Forget every group that uses ``endpoint`` (its rank is lost or forgot us);
@@ -262,15 +283,20 @@ class PrefillGroups:
             # until the deadline (bootstrap_timeout): a reply notifies at once, a stop is
             # seen within _STOP_POLL_S
             while (any(ep not in group._replies for ep in endpoints)
-                   and not self._stop.is_set()):
+                   and not group._refused and not self._stop.is_set()):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 group._cond.wait(min(left, _STOP_POLL_S))
             replies = dict(group._replies)
+            refused = dict(group._refused)
         if self._stop.is_set():
             raise BootstrapFailed(f"instance {info.instance!r}: the agent closed during the "
                                   f"handshake")
+        if refused:
+            raise HandshakeError([f"prefill {rec.where()}: {refused[rec.control_endpoint]}"
+                                  for rec in records if rec.control_endpoint in refused],
+                                 peer=f"instance {info.instance!r}")
         missing = [f"{rec.where()} at {rec.control_endpoint}" for rec in records
                    if rec.control_endpoint not in replies]
         if missing:

@@ -8,15 +8,28 @@ has a Sender waits in a buffer (indices: up to ``indices_timeout``, at most
 ``max_pending_inits`` requests); a request that failed here is remembered as a
 tombstone for as long, so late indices or aborts for it are answered.
 
-Control messages are not authenticated, so nothing a peer sends may grow without bound
-or push out what a real request left: a request id over ``MAX_ID_BYTES`` is refused;
-buffered indices are capped in bytes (``MAX_INIT_BYTES``) and to one set per request and
-decode rank (a repeat is ignored, as a live Sender does); an abort's reason is cut to
-``MAX_REASON`` characters. Tombstones of requests that had a Sender here are kept apart
-from those an ``Abort`` for an id unknown here creates (at most ``MAX_EARLY_ABORTS``,
-oldest forgotten first), so a flood of aborts cannot evict a real one and the
-``unsafe`` endpoints it remembers. Only a handshaken decode rank is ever dialed: an
-answer to anyone else goes back on the connection it came from.
+Authorization. A request's peers are the decode endpoints that sent its indices (buffered
+or delivered) and those its Sender asked to handshake again. Only they may abort it: an
+``Abort`` from anyone else changes nothing (it is answered ``AbortAck``, true for a rank
+never written to, the same answer as for an id unknown here, so it reveals nothing) and
+is counted in :attr:`PrefillDesk.not_request_peer`; so is an abort for an id with no
+Sender and no indices here, which therefore leaves no tombstone. Each decode rank (tp,
+pp) of a request sends its indices from one endpoint: indices for the same request and
+rank from a second endpoint fail the request, loudly, on both (a rogue decode that sent
+them first would otherwise get the KV and the real one starve, finding H2), and a
+repeat from the same endpoint is ignored. With the deployment secret the endpoints are
+authenticated (:mod:`~kvhandoff.session.control_auth`); without, they are only claimed.
+
+Bounds. Nothing a peer sends may grow without bound or push out what a real request
+left: a request id over ``MAX_ID_BYTES`` is refused; buffered indices are capped in bytes
+(``MAX_INIT_BYTES``) and to one set per request and decode rank (a repeat is ignored, as
+a live Sender does); an abort's reason is cut to ``MAX_REASON`` characters. Tombstones of
+requests that had a Sender here are kept apart from those an ``Abort`` from a peer of a
+request with no Sender yet creates (at most ``MAX_EARLY_ABORTS``, oldest forgotten
+first), so aborts cannot evict a real one and the ``unsafe`` endpoints it remembers. Who
+sent each rank's indices is kept only while the request has a Sender or buffered
+indices. Only a handshaken decode rank is ever dialed: an answer to anyone else goes
+back on the connection it came from.
 
 The agent owns the sockets, threads and liveness and hands the desk every control
 message it does not handle itself; the desk reaches the agent through the same
@@ -130,6 +143,10 @@ class PrefillDesk:
             collections.OrderedDict()
         self._early: collections.OrderedDict[RequestId, _Tomb] = \
             collections.OrderedDict()  # aborts for ids no Sender here had
+        # who sent each decode rank's indices, per request with a Sender or buffered
+        # indices (at most one entry per handshaken decode rank: MAX_DECODE_PEERS)
+        self._claims: dict[RequestId, dict[tuple[int, int], str]] = {}
+        self.not_request_peer = 0  # aborts from an endpoint not the request's peer
         self._record: RankRecord | None = None
         self._url: str | None = None
         self.peers = DecodePeers(layout=host.layout, transport=host.transport,
@@ -195,6 +212,7 @@ class PrefillDesk:
         with self._lock:
             if self.senders.get(side.request_id) is side:
                 del self.senders[side.request_id]
+                self._claims.pop(side.request_id, None)
             if side.reason is not None:
                 self._tombstone(side.request_id, side.reason, unsafe)
 
@@ -309,11 +327,21 @@ class PrefillDesk:
         self.peers.touch(peer.endpoint)
         now = time.monotonic()
         full: str | None = None
+        rid, slot = msg.request_id, (msg.rank.tp_rank, msg.rank.pp_rank)
         with self._lock:
-            sender = self.senders.get(msg.request_id)
-            tomb = self._tomb(msg.request_id)
-            if sender is None and tomb is None:
-                full = self._buffer(peer.endpoint, msg, now)
+            sender = self.senders.get(rid)
+            tomb = self._tomb(rid)
+            first = None if tomb is not None else self._claims.get(rid, {}).get(slot)
+            if first is not None and first != peer.endpoint:
+                why = self._two_claims(rid, msg, first, peer.endpoint, sender is None)
+            else:
+                if sender is None and tomb is None:
+                    full = self._buffer(peer.endpoint, msg, now)
+                if tomb is None and full is None:
+                    self._claims.setdefault(rid, {})[slot] = peer.endpoint
+        if first is not None and first != peer.endpoint:
+            self._fail_two_claims(rid, why, first, peer.endpoint, sender)
+            return
         if peer.transport_peer.closed and tomb is None and full is None:
             # its data connection broke: re-dial now; a Sender still to come gets the
             # buffered indices with the fresh peer (or re-dials itself, see above)
@@ -328,6 +356,35 @@ class PrefillDesk:
                 host.post(peer.endpoint, AbortAck(request_id=msg.request_id, rank=host.rank_id))
         elif full is not None:
             self._control.reply(origin, ErrorReply(reason=full, request_id=msg.request_id))
+
+    def _two_claims(self, rid: RequestId, msg: TransferInit, first: str, second: str,
+                    buffered: bool) -> str:
+        """Indices for decode rank ``msg.rank`` of ``rid`` came from ``second`` after
+        ``first``: why the request fails. Buffered indices are dropped and the request
+        tombstoned, so its Sender fails on arrival (caller holds the lock)."""
+        why = (f"request {rid!r}: decode rank tp {msg.rank.tp_rank} pp {msg.rank.pp_rank} "
+               f"sent its indices from two endpoints ({first}, then {second}); the request "
+               f"is failed rather than handed to either (one may be an impostor taking "
+               f"the KV)")
+        if buffered:
+            self._take_inits(rid)
+            self._claims.pop(rid, None)
+            self._tombstone(rid, why)
+        return why
+
+    def _fail_two_claims(self, rid: RequestId, why: str, first: str, second: str,
+                         sender: Sender | None) -> None:
+        """Tell both endpoints of :meth:`_two_claims` (without the lock): the second was
+        never written to; so was the first if no Sender had its indices yet. A live
+        Sender fails, telling its own ranks (and acks once nothing is in flight)."""
+        host = self._host
+        _throttled("prefill %s: %s", host.rank_id, why)
+        if sender is not None:
+            sender.on_init_refused(why)
+        for ep in ([second] if sender is not None else [first, second]):
+            host.post(ep, TransferStatus(request_id=rid, rank=host.rank_id, chunk=0, last=True,
+                                         outcome=Outcome.FAILED, reason=why))
+            host.post(ep, AbortAck(request_id=rid, rank=host.rank_id))
 
     def _redialed(self, peer: DecodePeer, msg: TransferInit, *, deliver: bool) -> None:
         """Re-dial ``peer``'s broken data connection (a worker thread), then hand ``msg``
@@ -355,19 +412,29 @@ class PrefillDesk:
             self._control.reply(origin, ErrorReply(reason=f"Abort refused: {bad}"))
             return
         reason = msg.reason[:MAX_REASON]
+        rid, ep = msg.request_id, origin.endpoint
         with self._lock:
-            s = self.senders.get(msg.request_id)
-            tomb = self._tomb(msg.request_id)
-            if s is None and tomb is None:
-                self._take_inits(msg.request_id)
-                self._early_abort(msg.request_id, f"aborted by decode {msg.rank}: {reason}")
-        if s is not None:
+            s = self.senders.get(rid)
+            tomb = self._tomb(rid)
+            ours = ep is not None and ep in self._claims.get(rid, {}).values()
+            if s is None and tomb is None and ours:
+                self._take_inits(rid)
+                self._claims.pop(rid, None)
+                self._early_abort(rid, f"aborted by decode {msg.rank}: {reason}")
+        if s is not None and not ours:
+            ours = ep is not None and ep in s.peer_endpoints()  # asked to handshake again
+        if not ours and tomb is None:
+            with self._lock:
+                self.not_request_peer += 1
+            _throttled("agent %s: ignored an Abort of request %r from %s: not one of its "
+                       "decode ranks", self._name, rid, origin)
+        if s is not None and ours:
             s.on_abort(origin.endpoint, str(msg.rank), reason)
         elif tomb is not None and origin.endpoint in tomb.unsafe:
             log.info("request %r: decode %s aborted; a cancelled write to it may still land, "
                      "so no AbortAck (it waits out its release_timeout)", msg.request_id,
                      msg.rank)
-        else:  # no Sender, or its writes to this rank are all over
+        else:  # nothing of ours in flight to it: no Sender, its writes are over, or not a peer
             ack = AbortAck(request_id=msg.request_id, rank=self._host.rank_id)
             if origin.endpoint is not None and self.peers.get(origin.endpoint) is not None:
                 self._host.post(origin.endpoint, ack)  # dial handshaken ranks only
@@ -387,6 +454,9 @@ class PrefillDesk:
                     del table[rid]
             for rid in [k for k, v in self._inits.items() if now - v[0][2] > limit]:
                 self._take_inits(rid)
+            for rid in [k for k in self._claims if k not in self.senders
+                        and k not in self._inits]:
+                del self._claims[rid]  # indices that expired or were dropped
             live = [*self.senders.values()]
             busy = {ep for entries in self._inits.values() for ep, _, _ in entries}
         for sender in live:
@@ -417,5 +487,6 @@ class PrefillDesk:
         with self._lock:
             self.senders.clear()
             self._inits.clear()
+            self._claims.clear()
             self._init_bytes = 0
 

@@ -25,12 +25,14 @@ import os
 import secrets
 import stat
 
-__all__ = ["MIN_SECRET_BYTES", "PURPOSE_BOOTSTRAP", "Secret", "SecretError",
-           "write_secret_file"]
+__all__ = ["MIN_SECRET_BYTES", "PURPOSE_BOOTSTRAP", "PURPOSE_CONTROL", "PURPOSE_DATA", "Secret",
+           "SecretError", "write_secret_file"]
 
 MIN_SECRET_BYTES = 32  # e.g. 16 random bytes written as hex, or 32 raw bytes
 MAX_SECRET_BYTES = 4096  # a larger file is not a secret file: refuse, do not read it
 PURPOSE_BOOTSTRAP = "kvhandoff/bootstrap/request-mac/v1"  # signs bootstrap mutations
+PURPOSE_CONTROL = "kvhandoff/control/message-mac/v1"  # signs control messages (control_auth)
+PURPOSE_DATA = "kvhandoff/data-plane/handshake/v1"  # keys the transports' data handshakes
 
 _SALT = b"kvhandoff deployment secret v1"
 _HASH = hashlib.sha256
@@ -124,3 +126,11 @@ def write_secret_file(path: str | os.PathLike[str]) -> str:
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_hex(32) + "\n")
     return name
+
+
+def data_key(secret_file: str | os.PathLike[str]) -> bytes | None:
+    """The data-plane key (:data:`PURPOSE_DATA`) of the secret file at ``secret_file``, as
+    the transports' ``data_secret`` option takes it; None when ``secret_file`` is empty
+    (no deployment secret). Every place that builds a transport for an agent's config
+    derives it here, so they agree. Raises :class:`SecretError` as :meth:`Secret.load`."""
+    return Secret.load(secret_file).key(PURPOSE_DATA) if os.fspath(secret_file) else None

@@ -18,6 +18,7 @@ import numpy as np
 
 from kvhandoff.layout import Layout
 from kvhandoff.session import Agent, Receiver, Sender, SessionConfig, Status
+from kvhandoff.session.secret import data_key
 from kvhandoff.testing.handoff import (
     AUX,
     DECODE,
@@ -79,7 +80,7 @@ class Rig:
         self.dst = decode_layout or layout_of(self.topo, DECODE, 0, 0, self.darena)
         self.prefill_cfg = config(instance, **(prefill_cfg or {}))
         self.prefill = Agent.prefill(self.src, bootstrap_url=url, config=self.prefill_cfg,
-                                     transport=prefill_transport or create_transport("tcp"))
+                                     transport=prefill_transport or self._tcp())
         try:
             self.decode = Agent.decode(self.dst, config=config(instance, **(decode_cfg or {})))
         except BaseException:
@@ -149,7 +150,11 @@ class Rig:
         self.prefill.close()
         self.prefill = Agent.prefill(self.src, bootstrap_url=self.url,
                                      config=self.prefill_cfg.replace(port=port),
-                                     transport=create_transport("tcp"))
+                                     transport=self._tcp())
+
+    def _tcp(self) -> Transport:
+        """The prefill agent's transport, keyed with the deployment secret if it has one."""
+        return create_transport("tcp", data_secret=data_key(self.prefill_cfg.secret_file))
 
     def close(self) -> None:
         for d in self.decodes[1:]:

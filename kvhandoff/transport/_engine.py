@@ -354,16 +354,19 @@ class EngineTransport(Transport):
     staging registers with the engine is in neither. Options every engine takes:
     ``host`` (the address peers reach this side's control channel at), ``io_timeout``,
     ``connect_timeout``, ``close_timeout`` (seconds ``close`` waits for the engine's
-    own teardown before leaving it to a daemon thread; see the module docstring) and
+    own teardown before leaving it to a daemon thread; see the module docstring),
     ``staging`` (``True``: :attr:`staging_defaults`; ``False``: off; or a
-    :class:`~kvhandoff.transport.staging.StagingConfig`)."""
+    :class:`~kvhandoff.transport.staging.StagingConfig`) and ``data_secret`` (the
+    deployment secret's data-plane key: staging's control channel is then keyed with
+    HMAC(``data_secret``, token), as tcp's is; None: the token alone)."""
 
     peer_type: ClassVar[type[EnginePeer]]
     staging_defaults: ClassVar[StagingConfig] = StagingConfig()
     _progress: Progress  # started by the subclass once its engine exists
 
     def __init__(self, *, host: str, io_timeout: float, connect_timeout: float,
-                 staging: StagingConfig | bool, close_timeout: float = 5.0) -> None:
+                 staging: StagingConfig | bool, close_timeout: float = 5.0,
+                 data_secret: bytes | None = None) -> None:
         if not close_timeout > 0:
             raise ValueError(f"{self.name} needs a positive close_timeout, got {close_timeout}")
         super().__init__()
@@ -377,7 +380,7 @@ class EngineTransport(Transport):
         self._staging = Staging(self.name, config, register=self._register_staging,
                                 write=self._write, wait=self.wait, table=lambda: self.local,
                                 host=host, io_timeout=io_timeout,
-                                connect_timeout=connect_timeout)
+                                connect_timeout=connect_timeout, data_secret=data_secret)
 
     # --- what an adapter implements -------------------------------------------------
 

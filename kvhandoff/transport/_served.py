@@ -3,7 +3,10 @@
 * :class:`ThreadedServer`: one thread accepts on a listening socket, one thread serves
   each connection; nothing that arrives on the wire can raise out of a serving thread
   (it is logged and the connection dropped); ``close`` wakes and joins every thread.
+  Every connection opens with the mutual challenge–response of
+  :mod:`~kvhandoff.transport.handshake_auth` before :meth:`ThreadedServer.serve` sees it.
   Strangers cannot stop the accept loop or hold the port: see the class docstring.
+* :func:`prove`: the client's side of that handshake, on a freshly dialled socket.
 * :class:`WorkerPeer`: a peer whose transfers are carried by worker threads. It tracks
   the pending transfers, turns whatever ends a worker into one error for all of them
   (``PeerLost`` for the wire, ``TransportClosed`` for ``close``), and joins its threads.
@@ -27,11 +30,21 @@ from typing import Any, ClassVar, Protocol, TypeVar
 from kvhandoff.plan.model import Plan
 from kvhandoff.transport.base import Handle, Peer, Transport
 from kvhandoff.transport.errors import (
+    ConnectError,
     PeerLost,
     ProtocolError,
     TransferFailed,
     TransportClosed,
     TransportError,
+)
+from kvhandoff.transport.handshake_auth import (
+    CLIENT_FRAME,
+    SERVER_FRAME,
+    ClientHandshake,
+    HandshakeFailed,
+    Refusal,
+    ServerHandshake,
+    refusal,
 )
 from kvhandoff.transport.tcp_io import recv_exact, recv_header
 from kvhandoff.transport.tcp_wire import Header, Kind
@@ -45,18 +58,23 @@ JOIN_S = 5.0
 """How long ``close`` waits for each worker thread (they exit once their socket is shut)."""
 
 MAX_UNPROVEN = 256
-"""Connections a server holds that have not shown the endpoint's token yet, in all."""
+"""Connections a server holds that have not passed the handshake yet, in all."""
 MAX_UNPROVEN_PER_HOST = 64
 """... and from one source address."""
-MAX_PER_HOST = 1024
-"""Connections a server holds from one source address, proven or not."""
+MAX_PER_HOST = 32
+"""The default cap on connections a server holds from one source address, proven or
+not (the transports' ``max_connections_per_host`` option). A sending rank holds a few
+(tcp: ``connections``, 2 by default; staging and shm: one), so this leaves room for a
+host full of prefill ranks and their reconnections."""
 HELLO_DEADLINE_S = 10.0
-"""An unproven connection is cut this long after it was accepted."""
+"""An unproven connection is cut this long after it was accepted; its handshake reads
+give up at the same deadline."""
 _REAP_S = 1.0  # how often the accept loop looks for overdue unproven connections
 _BACKOFF_S = (0.01, 1.0)  # retrying a failed accept: first wait, and cap
 _DEAD_LISTENER = frozenset({errno.EBADF, errno.EINVAL, errno.ENOTSOCK})
 _accept_failed = Throttle(log)
 _refused = Throttle(log)
+_unauthenticated = Throttle(log)
 _malformed = Throttle(log)
 
 
@@ -64,16 +82,36 @@ class ThreadedServer(abc.ABC):
     """Accepts on ``listener`` (already bound and listening) and calls :meth:`serve` for
     each connection in its own daemon thread. ``close`` is thread-safe and idempotent.
 
+    Authentication: the serving thread runs the server's side of the handshake
+    (:mod:`~kvhandoff.transport.handshake_auth`, keyed with ``key``, naming
+    ``endpoint_id``) first: it sends a fixed-size CHALLENGE, reads exactly one fixed-size
+    ANSWER within ``HELLO_DEADLINE_S`` of the accept, and only a connection that proved
+    the key reaches :meth:`serve`; a wrong proof gets a REFUSED frame and the close
+    (logged, rate-limited). Nothing is allocated for a connection before that.
+
     Hostile clients cannot take the port down or hold it: a failed ``accept`` (out of
     file descriptors, say) is logged (rate-limited) and retried with backoff, never the
-    end of the loop; a connection stays *unproven* until :meth:`greeted` says it showed
-    the endpoint's token, and unproven connections are capped (``MAX_UNPROVEN`` in all,
-    ``MAX_UNPROVEN_PER_HOST`` per source address) and cut after ``HELLO_DEADLINE_S``
-    seconds, however slowly they trickle bytes; all connections from one address are
-    capped at ``MAX_PER_HOST``. A connection over a cap is closed at once."""
+    end of the loop; a connection stays *unproven* until its handshake succeeded, and
+    unproven connections are capped (``MAX_UNPROVEN`` in all, ``MAX_UNPROVEN_PER_HOST``
+    per source address) and cut after ``HELLO_DEADLINE_S`` seconds, however slowly they
+    trickle bytes; all connections from one address are capped at ``max_per_host``. A
+    connection over a cap gets a REFUSED (busy) frame and is closed at once; the reason
+    is logged, rate-limited."""
 
-    def __init__(self, listener: socket.socket, name: str) -> None:
+    def __init__(self, listener: socket.socket, name: str, *, key: bytes, endpoint_id: str,
+                 max_per_host: int = MAX_PER_HOST) -> None:
+        try:
+            ServerHandshake.new(key, endpoint_id)  # a bad id is ours, not a client's fault
+            problem = "" if max_per_host >= 1 else (
+                f"max_connections_per_host must be >= 1, got {max_per_host}")
+        except HandshakeFailed as e:
+            problem = str(e)
+        if problem:
+            listener.close()
+            raise ValueError(f"{name} server: {problem}")
         self.name = name
+        self._key, self.endpoint_id = key, endpoint_id
+        self.max_per_host = max_per_host
         self._lock = threading.Lock()
         self._closing = False
         self._wake = threading.Event()
@@ -88,15 +126,32 @@ class ThreadedServer(abc.ABC):
 
     @abc.abstractmethod
     def serve(self, conn: socket.socket) -> None:
-        """Serve one connection until it ends (return or raise; the socket is closed
-        afterwards). ``OSError``/``EOFError`` end it quietly, ``ProtocolError`` with a
-        warning, anything else with a logged traceback. Call :meth:`greeted` once the
-        client proved it holds the endpoint's token."""
+        """Serve one connection, which passed the handshake, until it ends (return or
+        raise; the socket is closed afterwards). ``OSError``/``EOFError`` end it quietly,
+        ``ProtocolError`` with a warning, anything else with a logged traceback."""
 
-    def greeted(self, conn: socket.socket) -> None:
-        """``conn`` proved the token: no longer subject to the unproven caps and deadline."""
+    def _authenticate(self, conn: socket.socket) -> None:
+        """The server's side of the handshake; ``ProtocolError`` if the client fails it
+        (it was sent a REFUSED frame). Reads exactly one ANSWER frame, by the deadline."""
         with self._lock:
-            self._unproven.pop(conn, None)
+            accepted = self._unproven.get(conn)
+        deadline = (time.monotonic() if accepted is None else accepted) + HELLO_DEADLINE_S
+        hs = ServerHandshake.new(self._key, self.endpoint_id)
+        conn.settimeout(max(0.01, deadline - time.monotonic()))
+        conn.sendall(hs.challenge())
+        try:
+            answer = recv_fixed(conn, CLIENT_FRAME, deadline)
+        except TimeoutError as e:  # a trickle or a silent client: refused like a bad proof
+            raise _Unauthenticated(str(e)) from None
+        try:
+            verdict = hs.verdict(answer)
+        except HandshakeFailed as e:
+            with contextlib.suppress(OSError):
+                conn.sendall(refusal(Refusal.BAD_PROOF, self.endpoint_id))
+            raise _Unauthenticated(str(e)) from None
+        conn.sendall(verdict)
+        with self._lock:
+            self._unproven.pop(conn, None)  # no longer subject to the unproven caps
 
     def _accept_loop(self) -> None:
         backoff = _BACKOFF_S[0]
@@ -123,10 +178,11 @@ class ThreadedServer(abc.ABC):
         with self._lock:
             over = self._over_cap(host)
             if self._closing or over:
-                conn.close()
-                if over:
+                if over:  # logged before the client can learn it was refused
                     _refused("%s server: refused a connection from %s: %s", self.name, host,
                              over)
+                    _send_now(conn, refusal(Refusal.BUSY, self.endpoint_id))
+                conn.close()
                 return
             t = threading.Thread(target=self._serve, args=(conn,), daemon=True,
                                  name=f"kvh-{self.name}-serve")
@@ -140,8 +196,9 @@ class ThreadedServer(abc.ABC):
         if len(self._unproven) >= MAX_UNPROVEN:
             return f"{MAX_UNPROVEN} connections have not shown the token yet"
         here = [c for c, h in self._hosts.items() if h == host]
-        if len(here) >= MAX_PER_HOST:
-            return f"it holds {MAX_PER_HOST} connections already"
+        if len(here) >= self.max_per_host:
+            return (f"it holds {self.max_per_host} connections already "
+                    f"(max_connections_per_host)")
         if sum(c in self._unproven for c in here) >= MAX_UNPROVEN_PER_HOST:
             return f"{MAX_UNPROVEN_PER_HOST} of its connections have not shown the token yet"
         return None
@@ -154,13 +211,17 @@ class ThreadedServer(abc.ABC):
             for c in late:
                 del self._unproven[c]
         for c in late:
-            _refused("%s server: cut a connection that showed no token within %g s",
-                     self.name, HELLO_DEADLINE_S)
+            _refused("%s server: cut a connection that did not pass the handshake within "
+                     "%g s", self.name, HELLO_DEADLINE_S)
             shut(c)
 
     def _serve(self, conn: socket.socket) -> None:
         try:
+            self._authenticate(conn)
             self.serve(conn)
+        except _Unauthenticated as e:  # strangers can do this at will: rate-limited
+            _unauthenticated("%s server: refused a connection that failed the data-plane "
+                             "handshake: %s", self.name, e)
         except (OSError, EOFError) as e:
             log.debug("%s server: connection ended: %s", self.name, e)
         except ProtocolError as e:  # strangers can send these at will: rate-limited
@@ -195,6 +256,54 @@ class ThreadedServer(abc.ABC):
         self._accepter.join(JOIN_S)
         for t in conns.values():
             t.join(JOIN_S)
+
+
+class _Unauthenticated(ProtocolError):
+    """A client failed the handshake (it was refused; the message says why)."""
+
+
+def recv_fixed(sock: socket.socket, n: int, deadline: float) -> bytes:
+    """Exactly ``n`` bytes from ``sock``, all by ``deadline`` (monotonic), however slowly
+    they trickle: ``TimeoutError`` past it, ``EOFError`` if the peer closed first. Reads
+    nothing beyond the ``n`` bytes (it changes the socket's timeout)."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    while len(view):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"handshake frame incomplete ({n - len(view)} of {n} B) "
+                               f"at its deadline")
+        sock.settimeout(left)
+        got = sock.recv_into(view)
+        if got == 0:
+            raise EOFError(f"peer closed the connection during the handshake ({n - len(view)} "
+                           f"of {n} B)")
+        view = view[got:]
+    return bytes(buf)
+
+
+def prove(sock: socket.socket, *, key: bytes, endpoint_id: str, timeout: float,
+          peer: str) -> None:
+    """The client's side of the handshake on a freshly connected ``sock``: answer the
+    server's challenge, then check its proof, all within ``timeout`` seconds. Returns
+    once the server proved the key: only then may anything be sent. ``ConnectError``
+    (naming ``peer``) if it refused us or did not prove the key; ``OSError`` /
+    ``EOFError`` from the socket propagate (the caller closes it)."""
+    deadline = time.monotonic() + timeout
+    hs = ClientHandshake.new(key, endpoint_id, peer=peer)
+    try:
+        challenge = recv_fixed(sock, SERVER_FRAME, deadline)
+        sock.sendall(hs.answer(challenge))
+        hs.check_verdict(challenge, recv_fixed(sock, SERVER_FRAME, deadline))
+    except HandshakeFailed as e:
+        raise ConnectError(f"data-plane handshake failed: {e}") from None
+
+
+def _send_now(sock: socket.socket, data: bytes) -> None:
+    """Send ``data`` if the socket takes it at once (a fresh socket does); never block."""
+    with contextlib.suppress(OSError):
+        sock.setblocking(False)
+        sock.send(data)
 
 
 class Tracked(Protocol):

@@ -45,6 +45,14 @@ The endpoint carries the session and the registered region table; ``submit`` ref
 plan with any destination byte outside the peer's advertised regions before anything
 is sent. (The TCP server checks again on its side.) Regions the peer registers after
 handing out its endpoint are unknown here until ``connect`` is called again.
+
+Authentication: Mooncake's own data plane (its engine's TCP or RDMA connections) is not
+authenticated by kvhandoff. What protects it is that only memory registered with the
+engine is reachable, and that the descriptors naming it (the endpoint, each request's
+destinations) travel over the authenticated control plane. The staging channel is
+kvhandoff's, and authenticated like tcp's data plane: a mutual challenge–response keyed
+with its endpoint token, or with HMAC(``data_secret``, token) when the deployment
+secret's data-plane key is given (:mod:`kvhandoff.transport.staging`).
 """
 
 from __future__ import annotations
@@ -272,7 +280,9 @@ class MooncakeTransport(EngineTransport):
     ``cuda``: also accept CUDA memory (registered as ``cuda:<device>``; untested here);
     ``staging``: see :class:`~kvhandoff.transport._engine.EngineTransport` (over TCP
     the engine runs ~28 k requests/s whatever their size, so plans averaging under
-    128 KiB per segment are staged; over RDMA under 16 KiB).
+    128 KiB per segment are staged; over RDMA under 16 KiB); ``data_secret``: the
+    deployment secret's data-plane key, keying the staging channel's handshake (see the
+    module docstring; :func:`~kvhandoff.transport.registry.create_transport` passes it).
     """
 
     name: ClassVar[str] = "mooncake"
@@ -285,7 +295,7 @@ class MooncakeTransport(EngineTransport):
                  max_inflight: int = 1024, io_timeout: float = 30.0,
                  connect_timeout: float = 5.0, env: Mapping[str, str] | None = None,
                  cuda: bool = False, staging: StagingConfig | bool = True,
-                 close_timeout: float = 5.0) -> None:
+                 close_timeout: float = 5.0, data_secret: bytes | None = None) -> None:
         if protocol not in ("tcp", "rdma"):
             raise ValueError(f"mooncake protocol must be 'tcp' or 'rdma', got {protocol!r}")
         if not 1 <= max_inflight <= _TCP_QUEUE_MAX or io_timeout <= 0 or connect_timeout <= 0:
@@ -299,7 +309,8 @@ class MooncakeTransport(EngineTransport):
         if protocol == "rdma" and staging is True:
             staging = StagingConfig(below=16 << 10)
         super().__init__(host=host, io_timeout=io_timeout, connect_timeout=connect_timeout,
-                         staging=staging, close_timeout=close_timeout)
+                         staging=staging, close_timeout=close_timeout,
+                         data_secret=data_secret)
         if cuda:  # per instance: whether device memory is wanted is the caller's choice
             self.capabilities = replace(  # type: ignore[misc]
                 self.capabilities, memory=frozenset(MemoryKind))

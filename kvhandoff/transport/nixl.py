@@ -43,6 +43,14 @@ How the agent is driven, and why (measured in ``reference/baselines.md`` §3-4):
 The endpoint carries the agent metadata and the registered region table; ``submit``
 refuses a plan with any destination byte outside the peer's advertised regions before
 anything is posted.
+
+Authentication: NIXL's own data plane (UCX: ``cma``, TCP, RDMA) is not authenticated by
+kvhandoff. What protects it is that only memory registered with the agent is reachable,
+and that the descriptors naming it (the endpoint with the agent metadata, each
+request's destinations) travel over the authenticated control plane. The staging
+channel is kvhandoff's, and authenticated like tcp's data plane: a mutual
+challenge–response keyed with its endpoint token, or with HMAC(``data_secret``, token)
+when the deployment secret's data-plane key is given (:mod:`kvhandoff.transport.staging`).
 """
 
 from __future__ import annotations
@@ -178,7 +186,10 @@ class NixlTransport(EngineTransport):
     (default 127.0.0.1); ``staging``: see
     :class:`~kvhandoff.transport._engine.EngineTransport` (a ``cma`` descriptor costs
     ~3-5 µs, so plans averaging under 16 KiB per segment are staged; at 16 KiB the
-    engine alone is already faster than gather + write + scatter on two cores).
+    engine alone is already faster than gather + write + scatter on two cores);
+    ``data_secret``: the deployment secret's data-plane key, keying the staging
+    channel's handshake (see the module docstring;
+    :func:`~kvhandoff.transport.registry.create_transport` passes it).
     """
 
     name: ClassVar[str] = "nixl"
@@ -192,7 +203,7 @@ class NixlTransport(EngineTransport):
                  io_timeout: float = 30.0, connect_timeout: float = 5.0, cuda: bool = False,
                  agent_name: str | None = None, env: Mapping[str, str] | None = None,
                  host: str = "127.0.0.1", staging: StagingConfig | bool = True,
-                 close_timeout: float = 5.0) -> None:
+                 close_timeout: float = 5.0, data_secret: bytes | None = None) -> None:
         if error_handling not in ("none", "peer"):
             raise ValueError(f"error_handling must be 'none' or 'peer', got {error_handling!r}")
         if inline_bytes < 0 or io_timeout <= 0 or connect_timeout <= 0:
@@ -203,7 +214,8 @@ class NixlTransport(EngineTransport):
         if not ok:
             raise TransportUnavailable(reason)
         super().__init__(host=host, io_timeout=io_timeout, connect_timeout=connect_timeout,
-                         staging=staging, close_timeout=close_timeout)
+                         staging=staging, close_timeout=close_timeout,
+                         data_secret=data_secret)
         if cuda:  # per instance: whether device memory is wanted is the caller's choice
             self.capabilities = replace(  # type: ignore[misc]
                 self.capabilities, memory=frozenset(MemoryKind))

@@ -8,6 +8,7 @@ with the import error as the reason; it never breaks the other transports.
 from __future__ import annotations
 
 import importlib
+import inspect
 import threading
 from typing import Any
 
@@ -69,13 +70,27 @@ def available_transports() -> dict[str, Availability]:
     return out
 
 
-def create_transport(name: str = DEFAULT, **options: Any) -> Transport:
+DATA_SECRET = "data_secret"
+"""The option that keys a transport's data-plane handshake with the deployment secret
+(``Secret.key(PURPOSE_DATA)``): taken by the transports whose data plane kvhandoff
+authenticates itself (tcp, shm); see :func:`create_transport`."""
+
+
+def create_transport(name: str = DEFAULT, *, data_secret: bytes | None = None,
+                     **options: Any) -> Transport:
     """Instantiate transport ``name`` with keyword options; raises TransportUnavailable
-    (with the reason) if it cannot run here."""
+    (with the reason) if it cannot run here.
+
+    ``data_secret``: the deployment secret's data-plane key, passed on to a transport
+    that takes a ``data_secret`` option (its handshake is then keyed with it, so an
+    endpoint token alone proves nothing); the others (memory, in-process; the engines,
+    whose data planes are their own) do not use it."""
     cls = transport_class(name)
     ok, reason = cls.usable()
     if not ok:
         raise TransportUnavailable(f"transport {name!r} is not usable here: {reason}")
+    if data_secret is not None and DATA_SECRET in inspect.signature(cls).parameters:
+        options[DATA_SECRET] = data_secret
     return cls(**options)
 
 

@@ -2,8 +2,11 @@
 
 The receiver allocates its destination buffers with :meth:`ShmTransport.allocate`
 (memfd arenas, see :mod:`shm_arena`). ``connect`` opens a Unix socket to the receiver
-(abstract namespace: nothing on disk), proves the endpoint's token, and receives the
-arena file descriptors (``SCM_RIGHTS``) and the list of allocations. The sender maps
+(abstract namespace: nothing on disk), passes the mutual challenge–response of
+:mod:`~kvhandoff.transport.handshake_auth` (keyed with the endpoint's token, or
+HMAC(``data_secret``, token) with the deployment secret's data-plane key; the token is
+never sent, and the socket's name carries only the public endpoint id), and receives
+the arena file descriptors (``SCM_RIGHTS``) and the list of allocations. The sender maps
 the arenas and builds a :class:`RegionTable` whose addresses are the *receiver's* and
 whose buffers are its own mappings, so plan destination addresses resolve directly.
 
@@ -13,6 +16,13 @@ copies with numpy views (one copy), then sends a COMMIT on the socket; the handl
 DONE when the receiver acknowledges it, so DONE also means "the receiver is alive".
 A receiver that dies closes the socket (pending handles → PeerLost at once); one that
 stops answering fails them after ``io_timeout``.
+
+Trust (finding L9): the bounds check runs in the *sender's* copier, against the
+allocations the receiver listed; once a peer passed the handshake it maps the
+receiver's arenas read-write and could write anywhere in them. The handshake is what
+keeps strangers out; an authenticated peer is trusted with the arenas (allocate only
+KV destinations there). Connections from one process-namespace are capped
+(``max_connections_per_host``).
 
 Ordering: destinations allocated after a peer connected are not visible to it;
 reconnect (the base contract's ordering rule).
@@ -35,13 +45,21 @@ import numpy as np
 
 from kvhandoff.layout import Region
 from kvhandoff.plan.model import Plan, TensorPlan
-from kvhandoff.transport._served import ServedTransport, WorkerPeer, recv_reply, shut
+from kvhandoff.transport._served import (
+    MAX_PER_HOST,
+    ServedTransport,
+    WorkerPeer,
+    prove,
+    recv_reply,
+    shut,
+)
 from kvhandoff.transport.base import Availability, Capabilities, Handle, TransferState
 from kvhandoff.transport.errors import (
     ConnectError,
     ProtocolError,
     RemoteOutOfBounds,
 )
+from kvhandoff.transport.handshake_auth import derive_key, new_endpoint_id
 from kvhandoff.transport.regions import U8, RegionTable, plan_side_problem
 from kvhandoff.transport.shm_arena import Arenas, map_fd
 from kvhandoff.transport.shm_server import MAX_FDS, ShmServer
@@ -49,6 +67,8 @@ from kvhandoff.transport.small import copy_views, plan_views
 from kvhandoff.transport.tcp_io import recv_exact
 from kvhandoff.transport.tcp_wire import HEADER, Header, Kind, Status, reply_error
 from kvhandoff.transport.views import by_source, copy_entry, split_work
+
+ENDPOINT_VERSION = 2  # v2: the endpoint id, and the data-plane handshake
 
 
 def host_id() -> str:
@@ -77,17 +97,17 @@ class _Job:
 class ShmPeer(WorkerPeer):
     """Thread-safe. One copier thread (copies, then COMMITs) and one reader thread."""
 
-    def __init__(self, endpoint: bytes, *, address: str, token: str, io_timeout: float,
-                 connect_timeout: float, table: Callable[[], RegionTable],
+    def __init__(self, endpoint: bytes, *, address: str, key: bytes, endpoint_id: str,
+                 io_timeout: float, connect_timeout: float, table: Callable[[], RegionTable],
                  pool: ThreadPoolExecutor, pool_size: int) -> None:
-        super().__init__(endpoint, f"shm:{token[:8]}")
+        super().__init__(endpoint, f"shm:{endpoint_id[:8]}")
         self._pool, self._pool_size = pool, pool_size
         self._io_timeout = io_timeout
         self._local = table
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._inflight: deque[_Job] = deque()
         self._seq = 0
-        self._sock, self.remote = self._dial(address, token.encode(), connect_timeout)
+        self._sock, self.remote = self._dial(address, key, endpoint_id, connect_timeout)
         self._threads = [
             threading.Thread(target=self._guard, args=(self._copy_loop,), daemon=True,
                              name="kvh-shm-copy"),
@@ -97,14 +117,16 @@ class ShmPeer(WorkerPeer):
         for t in self._threads:
             t.start()
 
-    def _dial(self, address: str, token: bytes, timeout: float
+    def _dial(self, address: str, key: bytes, endpoint_id: str, timeout: float
               ) -> tuple[socket.socket, RegionTable]:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         fds: list[int] = []
         try:
             sock.settimeout(timeout)
             sock.connect(address)
-            sock.sendall(Header(Kind.HELLO, 0, 0, len(token), 0).pack() + token)
+            prove(sock, key=key, endpoint_id=endpoint_id, timeout=timeout, peer=self.name)
+            sock.settimeout(timeout)
+            sock.sendall(Header(Kind.HELLO, 0, 0, 0, 0).pack())
             first, fds, _flags, _addr = socket.recv_fds(sock, HEADER.size, MAX_FDS)
             if not first:
                 raise EOFError("receiver closed the connection during the handshake")
@@ -218,8 +240,10 @@ class ShmPeer(WorkerPeer):
 class ShmTransport(ServedTransport):
     """Same-host transport. Destinations must be allocated with :meth:`allocate`;
     sources may be any registered host memory. Options: ``io_timeout`` (default 30 s),
-    ``connect_timeout`` (default 5 s), ``copy_threads`` (threads sharing one transfer's
-    copies, default 2)."""
+    ``connect_timeout`` (default 5 s; also bounds the handshake), ``copy_threads``
+    (threads sharing one transfer's copies, default 2), ``data_secret`` (the deployment
+    secret's data-plane key; None: the token alone), ``max_connections_per_host``
+    (default 32)."""
 
     name = "shm"
     capabilities = Capabilities(strided=True, cross_host=False, needs_allocate=True,
@@ -227,17 +251,23 @@ class ShmTransport(ServedTransport):
     peer_type = ShmPeer
 
     def __init__(self, *, io_timeout: float = 30.0, connect_timeout: float = 5.0,
-                 copy_threads: int = 2) -> None:
+                 copy_threads: int = 2, data_secret: bytes | None = None,
+                 max_connections_per_host: int = MAX_PER_HOST) -> None:
         super().__init__()
-        if io_timeout <= 0 or connect_timeout <= 0 or copy_threads < 1:
-            raise ValueError("shm transport needs positive timeouts and copy_threads >= 1")
+        if (io_timeout <= 0 or connect_timeout <= 0 or copy_threads < 1
+                or max_connections_per_host < 1):
+            raise ValueError("shm transport needs positive timeouts, copy_threads >= 1 and "
+                             "max_connections_per_host >= 1")
         # helpers beside each peer's copier thread; threads start on first use
         self._pool_size = copy_threads - 1
         self._pool = ThreadPoolExecutor(max_workers=max(1, self._pool_size),
                                         thread_name_prefix="kvh-shm-copy-helper")
         self._io_timeout, self._connect_timeout = io_timeout, connect_timeout
         self._token = secrets.token_hex(16)
-        self._arenas = Arenas(self._token[:8])
+        self._id = new_endpoint_id()  # public: names the socket and the memfds
+        self._data_secret = data_secret
+        self._max_per_host = max_connections_per_host
+        self._arenas = Arenas(self._id[:8])
 
     @classmethod
     def usable(cls) -> Availability:
@@ -258,26 +288,31 @@ class ShmTransport(ServedTransport):
         self._check_open()
         with self._lock:
             if self._server is None:
-                self._server = ShmServer(f"\0kvhandoff-shm-{self._token}", self._token.encode(),
-                                       self._arenas, self._io_timeout)
-        return json.dumps({"kind": "shm", "v": 1, "host": host_id(),
-                           "address": f"kvhandoff-shm-{self._token}",
-                           "token": self._token}).encode()
+                self._server = ShmServer(
+                    f"\0kvhandoff-shm-{self._id}",
+                    key=derive_key(self._token.encode(), self._data_secret),
+                    endpoint_id=self._id, arenas=self._arenas, io_timeout=self._io_timeout,
+                    max_per_host=self._max_per_host)
+        return json.dumps({"kind": "shm", "v": ENDPOINT_VERSION, "host": host_id(),
+                           "address": f"kvhandoff-shm-{self._id}",
+                           "token": self._token, "id": self._id}).encode()
 
     def connect(self, peer_endpoint: bytes) -> ShmPeer:
         self._check_open()
         try:
             ep = json.loads(peer_endpoint)
-            kind, host, address, token = ep["kind"], ep["host"], ep["address"], ep["token"]
+            kind, version = ep["kind"], ep["v"]
+            host, address, token, eid = ep["host"], ep["address"], ep["token"], ep["id"]
         except (ValueError, KeyError, TypeError) as e:
             raise ConnectError(f"not an shm transport endpoint: {peer_endpoint[:80]!r}") from e
-        if kind != "shm":
-            raise ConnectError(f"endpoint is {kind!r}, not 'shm'")
+        if kind != "shm" or version != ENDPOINT_VERSION:
+            raise ConnectError(f"endpoint is {kind!r} v{version}, not 'shm' v{ENDPOINT_VERSION}")
         if host != host_id():
             raise ConnectError("the shm transport only reaches peers on this host "
                                f"(peer boot id {host}, ours {host_id()}); use tcp")
         return self._adopt(ShmPeer(
-            peer_endpoint, address="\0" + str(address), token=str(token),
+            peer_endpoint, address="\0" + str(address),
+            key=derive_key(str(token).encode(), self._data_secret), endpoint_id=str(eid),
             io_timeout=self._io_timeout, connect_timeout=self._connect_timeout,
             table=self._table, pool=self._pool, pool_size=self._pool_size))
 

@@ -1,9 +1,13 @@
 """The receiving side of the shm transport: hand out arenas, acknowledge commits.
 
-One thread accepts on an abstract Unix socket; one thread serves each connection:
+One thread accepts on an abstract Unix socket; one thread serves each connection. A
+connection opens with the mutual challenge–response of
+:mod:`~kvhandoff.transport.handshake_auth` (an abstract socket has no file permissions:
+any process in the network namespace can connect, so the fds go only to a peer that
+proved the endpoint's key). Then:
 
-    HELLO (token)  → REPLY OK carrying the arena fds (SCM_RIGHTS) and the allocation
-                     list as JSON, or BAD_TOKEN (and close)
+    HELLO (empty)  → REPLY OK carrying the arena fds (SCM_RIGHTS) and the allocation
+                     list as JSON
     WRITE (empty)  → a COMMIT: the sender finished copying one transfer → REPLY OK
 
 The data never passes through this side. A bad frame drops the connection (logged);
@@ -15,10 +19,10 @@ from __future__ import annotations
 import json
 import socket
 
-from kvhandoff.transport._served import ThreadedServer
+from kvhandoff.transport._served import MAX_PER_HOST, ThreadedServer
 from kvhandoff.transport.errors import ProtocolError
 from kvhandoff.transport.shm_arena import Arenas
-from kvhandoff.transport.tcp_io import recv_exact, recv_header
+from kvhandoff.transport.tcp_io import recv_header
 from kvhandoff.transport.tcp_wire import HEADER, Header, Kind, Status
 
 MAX_FDS = 250  # below SCM_MAX_FD (253)
@@ -28,8 +32,9 @@ class ShmServer(ThreadedServer):
     """Accepts peers on an abstract Unix socket; answers HELLO with the arenas and each
     COMMIT with a REPLY. One thread per connection; a bad frame drops the connection."""
 
-    def __init__(self, address: str, token: bytes, arenas: Arenas, io_timeout: float) -> None:
-        self.address, self.token, self.arenas, self.io_timeout = address, token, arenas, io_timeout
+    def __init__(self, address: str, *, key: bytes, endpoint_id: str, arenas: Arenas,
+                 io_timeout: float, max_per_host: int = MAX_PER_HOST) -> None:
+        self.address, self.arenas, self.io_timeout = address, arenas, io_timeout
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             listener.bind(address)
@@ -37,7 +42,8 @@ class ShmServer(ThreadedServer):
         except BaseException:
             listener.close()
             raise
-        super().__init__(listener, "shm")
+        super().__init__(listener, "shm", key=key, endpoint_id=endpoint_id,
+                         max_per_host=max_per_host)
 
     def serve(self, conn: socket.socket) -> None:
         conn.settimeout(self.io_timeout)
@@ -50,16 +56,11 @@ class ShmServer(ThreadedServer):
             if not recv_header(conn, memoryview(hdr), idle_ok=True):
                 continue
             h = Header.unpack(hdr)
-            body = bytearray(min(h.desc_len, 4096))
-            recv_exact(conn, memoryview(body))
-            if h.desc_len > len(body) or h.payload_len:
+            if h.desc_len or h.payload_len:  # every shm control frame is a bare header
+                _reply(conn, h.seq, Status.MALFORMED, b"shm control frames carry nothing")
                 raise ProtocolError("oversized control frame")
             if h.kind is Kind.HELLO and not greeted:
-                if bytes(body) != self.token:
-                    _reply(conn, h.seq, Status.BAD_TOKEN, b"endpoint token does not match")
-                    raise ProtocolError("HELLO with a wrong token")
                 greeted = True
-                self.greeted(conn)
                 self._send_arenas(conn, h.seq)
             elif h.kind is Kind.WRITE and greeted:  # COMMIT: the sender finished a copy
                 _reply(conn, h.seq, Status.OK, b"")

@@ -17,8 +17,17 @@ bytes are in place, refused writes write nothing):
                                         ◀───────── (numpy views), REPLY OK / refused
     handle DONE after the last frame's REPLY
 
-* **Slots.** At ``connect`` the sender dials the control server, proves the endpoint's
-  token and is *leased* up to ``slots_per_peer`` slots for the life of the connection
+* **Authentication.** The control connection opens with the mutual challenge–response
+  of :mod:`~kvhandoff.transport.handshake_auth`, keyed with the staging option's token
+  (or HMAC(``data_secret``, token) with the deployment secret's data-plane key); the
+  token never travels on the socket, the server reads no frame and leases nothing before
+  the sender proved the key, and the sender commits nothing to a server that did not
+  prove it. Connections from one address are capped
+  (``StagingConfig.max_connections_per_host``). The engine writes into the slots are the
+  engine's own data plane, not authenticated by kvhandoff: the slots are registered
+  memory that only the leased, authenticated sender's COMMITs make the receiver scatter.
+* **Slots.** At ``connect`` the sender dials the control server, passes the handshake
+  and is *leased* up to ``slots_per_peer`` slots for the life of the connection
   (fewer, or 0, when the arena is short: that peer then goes direct). Only the lease
   holder commits a slot. A sender that closes with no engine write into its slots
   possibly still running (its threads exited, every write it posted completed) says
@@ -44,10 +53,10 @@ bytes are in place, refused writes write nothing):
   direct.
 
 The control protocol reuses the tcp transport's frame header and record tables
-(:mod:`kvhandoff.transport.tcp_wire`): HELLO(token) → REPLY OK carrying the leased
-slots as JSON; WRITE(desc = ``<q job, q slot>`` + records), with ``FLAG_CHECK`` for a
-whole-plan check (slot -1) → REPLY; BYE (nothing else in the frame, no reply), then the
-sender closes.
+(:mod:`kvhandoff.transport.tcp_wire`), after the handshake: HELLO (empty) → REPLY OK
+carrying the leased slots as JSON; WRITE(desc = ``<q job, q slot>`` + records), with
+``FLAG_CHECK`` for a whole-plan check (slot -1) → REPLY; BYE (nothing else in the frame,
+no reply), then the sender closes.
 """
 
 from __future__ import annotations
@@ -72,7 +81,14 @@ import numpy as np
 
 from kvhandoff.layout import MemoryKind, Region
 from kvhandoff.plan.model import Plan
-from kvhandoff.transport._served import ThreadedServer, WorkerPeer, recv_reply, shut
+from kvhandoff.transport._served import (
+    MAX_PER_HOST,
+    ThreadedServer,
+    WorkerPeer,
+    prove,
+    recv_reply,
+    shut,
+)
 from kvhandoff.transport.base import Handle, Peer, TransferState
 from kvhandoff.transport.errors import (
     ConnectError,
@@ -81,6 +97,7 @@ from kvhandoff.transport.errors import (
     TransportClosed,
     TransportError,
 )
+from kvhandoff.transport.handshake_auth import derive_key, new_endpoint_id
 from kvhandoff.transport.regions import U8, RegionTable, plan_side_problem
 from kvhandoff.transport.tcp_io import recv_exact, recv_header
 from kvhandoff.transport.tcp_plan import Chunk, dst_records, plan_records, split
@@ -92,7 +109,6 @@ from kvhandoff.transport.tcp_wire import (
     Records,
     Status,
     reply_error,
-    unproven_problem,
 )
 from kvhandoff.transport.views import as_rows, piece_view, take_into, unit_contiguous
 
@@ -123,7 +139,10 @@ class StagingConfig:
     ``io_timeout`` for a write before giving up on it, an abandoned ``close`` leaves the
     engine's teardown running past ``close_timeout`` (5 s by default), and engines
     retransmit or drain a dead peer's connection for seconds. The default is a generous
-    bound on that lateness, not a proof; 0 turns the quarantine off."""
+    bound on that lateness, not a proof; 0 turns the quarantine off.
+
+    ``max_connections_per_host``: control connections the receiver holds from one source
+    address (each sending peer holds one); extras are refused with a logged reason."""
 
     enabled: bool = True
     below: int = 64 << 10
@@ -132,10 +151,12 @@ class StagingConfig:
     slots: int = 16
     slots_per_peer: int = 4
     quarantine: float | None = None
+    max_connections_per_host: int = MAX_PER_HOST
 
     def __post_init__(self) -> None:
         if (self.below < 1 or self.min_segments < 1 or self.slot_bytes < 4096
                 or self.slots < 1 or self.slots_per_peer < 1
+                or self.max_connections_per_host < 1
                 or (self.quarantine is not None and not self.quarantine >= 0)):
             raise ValueError(f"invalid staging config: {self}")
 
@@ -262,15 +283,16 @@ class Arena:
 class StagingServer(ThreadedServer):
     """The receiver's control server: leases slots, checks and scatters commits."""
 
-    def __init__(self, *, host: str, token: bytes, arena: Arena, slots_per_peer: int,
-                 table: Callable[[], RegionTable], io_timeout: float,
-                 quarantine: float) -> None:
-        self.token, self.arena, self.table = token, arena, table
+    def __init__(self, *, host: str, key: bytes, endpoint_id: str, arena: Arena,
+                 slots_per_peer: int, table: Callable[[], RegionTable], io_timeout: float,
+                 quarantine: float, max_per_host: int = MAX_PER_HOST) -> None:
+        self.arena, self.table = arena, table
         self.slots_per_peer, self.io_timeout = slots_per_peer, io_timeout
         self.quarantine = quarantine  # seconds; see StagingConfig
         listener = socket.create_server((host, 0), backlog=64)
         self.host, self.port = listener.getsockname()[:2]
-        super().__init__(listener, f"staging-{self.port}")
+        super().__init__(listener, f"staging-{self.port}", key=key, endpoint_id=endpoint_id,
+                         max_per_host=max_per_host)
 
     def serve(self, conn: socket.socket) -> None:
         conn.settimeout(self.io_timeout)
@@ -288,7 +310,8 @@ class StagingServer(ThreadedServer):
 
 @dataclass(eq=False)
 class _ServedLink:
-    """One sender's control connection, frame after frame (see the module docstring)."""
+    """One authenticated sender's control connection, frame after frame (see the module
+    docstring). ``greeted``: its HELLO leased the slots."""
 
     sock: socket.socket
     server: StagingServer
@@ -310,16 +333,16 @@ class _ServedLink:
                 h = Header.unpack(hdr)
                 if h.payload_len:
                     raise ProtocolError("staging control frames carry no payload")
-                early = unproven_problem(h, greeted=self.greeted)
-                if early is not None:
-                    raise ProtocolError(early)
+                if not self.greeted and (h.kind is not Kind.HELLO or h.desc_len):
+                    raise ProtocolError(f"unexpected {h.kind.name} frame of {h.desc_len} B "
+                                        f"before HELLO (an empty HELLO comes first)")
             except ProtocolError as e:
                 self.reply(0, Status.MALFORMED, str(e))
                 raise
             desc = bytearray(h.desc_len)
             recv_exact(self.sock, memoryview(desc))
             if h.kind is Kind.HELLO and not self.greeted:
-                self.hello(h.seq, bytes(desc))
+                self.hello(h.seq)
             elif h.kind is Kind.WRITE and self.greeted:
                 self.write(h, desc)
             elif h.kind is Kind.BYE and self.greeted:
@@ -333,12 +356,8 @@ class _ServedLink:
                 self.reply(h.seq, Status.MALFORMED, msg)
                 raise ProtocolError(msg)
 
-    def hello(self, seq: int, token: bytes) -> None:
-        if token != self.server.token:
-            self.reply(seq, Status.BAD_TOKEN, "endpoint token does not match this transport")
-            raise ProtocolError("staging HELLO with a wrong token")
+    def hello(self, seq: int) -> None:
         self.greeted = True
-        self.server.greeted(self.sock)
         arena = self.server.arena
         self.lease.extend(arena.lease(self.server.slots_per_peer))
         self.reply(seq, Status.OK, json.dumps({
@@ -666,12 +685,15 @@ class Staging:
 
     def __init__(self, name: str, config: StagingConfig, *, register: Callable[[Region], None],
                  write: Write, wait: Wait, table: Callable[[], RegionTable], host: str,
-                 io_timeout: float, connect_timeout: float) -> None:
+                 io_timeout: float, connect_timeout: float,
+                 data_secret: bytes | None = None) -> None:
         self.name, self.config = name, config
         self._register, self._write, self._wait, self._table = register, write, wait, table
         self._host = host
         self._io_timeout, self._connect_timeout = io_timeout, connect_timeout
         self._token = secrets.token_hex(16)
+        self._id = new_endpoint_id()
+        self._data_secret = data_secret  # the deployment secret's data-plane key, if any
         self._lock = threading.Lock()
         self._server: StagingServer | None = None
         self._arena: Arena | None = None
@@ -695,13 +717,15 @@ class Staging:
                 self._register(Region(ptr=arena.base, nbytes=arena.buf.nbytes))
                 self._arena = arena
                 self._server = StagingServer(
-                    host=self._host, token=self._token.encode(), arena=arena,
+                    host=self._host, key=derive_key(self._token.encode(), self._data_secret),
+                    endpoint_id=self._id, arena=arena,
                     slots_per_peer=self.config.slots_per_peer, table=self._table,
                     io_timeout=self._io_timeout,
-                    quarantine=self.config.quarantine_for(self._io_timeout))
+                    quarantine=self.config.quarantine_for(self._io_timeout),
+                    max_per_host=self.config.max_connections_per_host)
             server = self._server
         return ((self.OPTION, json.dumps({"host": server.host, "port": server.port,
-                                           "token": self._token})),)
+                                           "token": self._token, "id": self._id})),)
 
     def connect(self, options: dict[str, str], peer: Peer) -> StagingLink | None:
         """A link to the peer's staging server if it advertises one (None if it does
@@ -712,9 +736,11 @@ class Staging:
         try:
             info: dict[str, Any] = json.loads(options[self.OPTION])
             host, port, token = str(info["host"]), int(info["port"]), str(info["token"])
+            eid = str(info["id"])
         except (ValueError, KeyError, TypeError) as e:
             raise ConnectError(f"{self.name} endpoint has a malformed staging option") from e
-        sock, slots = self._dial(host, port, token.encode())
+        sock, slots = self._dial(host, port, derive_key(token.encode(), self._data_secret),
+                                 eid)
         if not slots:
             log.info("%s: %s leased no staging slot; fragmented plans go direct",
                      self.name, peer.name)
@@ -733,7 +759,7 @@ class Staging:
             self._links.add(link)
         return link
 
-    def _dial(self, host: str, port: int, token: bytes
+    def _dial(self, host: str, port: int, key: bytes, endpoint_id: str
               ) -> tuple[socket.socket, list[tuple[int, int]]]:
         try:
             sock = socket.create_connection((host, port), timeout=self._connect_timeout)
@@ -742,7 +768,10 @@ class Staging:
                                f"{host}:{port}: {e}") from e
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.sendall(Header(Kind.HELLO, 0, 0, len(token), 0).pack() + token)
+            prove(sock, key=key, endpoint_id=endpoint_id, timeout=self._connect_timeout,
+                  peer=f"{self.name} staging server at {host}:{port}")
+            sock.settimeout(self._connect_timeout)
+            sock.sendall(Header(Kind.HELLO, 0, 0, 0, 0).pack())
             hdr = bytearray(HEADER.size)
             recv_exact(sock, memoryview(hdr))
             h = Header.unpack(hdr)

@@ -2,6 +2,9 @@
 
 A peer holds ``connections`` sockets; each has a sender thread (blocks on its queue)
 and a reader thread (blocks on the socket for replies), so an idle peer uses no CPU.
+Each socket is authenticated both ways before it is used
+(:func:`~kvhandoff.transport._served.prove`): nothing is written to a port that does not
+prove the endpoint's key.
 
 A submit becomes frames of at most ``frame_bytes`` (see tcp_plan). When there is more
 than one frame, a CHECK frame carrying the plan's whole destination side goes first
@@ -36,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvhandoff.plan.model import Plan
-from kvhandoff.transport._served import WorkerPeer, recv_reply, shut
+from kvhandoff.transport._served import WorkerPeer, prove, recv_reply, shut
 from kvhandoff.transport.base import Handle, TransferState
 from kvhandoff.transport.errors import (
     ConnectError,
@@ -46,7 +49,7 @@ from kvhandoff.transport.errors import (
 )
 from kvhandoff.transport.regions import RegionTable
 from kvhandoff.transport.tcp_data import Sink
-from kvhandoff.transport.tcp_io import recv_exact, send_views, write_some
+from kvhandoff.transport.tcp_io import send_views, write_some
 from kvhandoff.transport.tcp_plan import Chunk, dst_records, plan_records, split
 from kvhandoff.transport.tcp_small import SmallFrame
 from kvhandoff.transport.tcp_wire import (
@@ -115,9 +118,9 @@ _KICK = _Frame(_Transfer(Handle(nbytes=0), []), b"", 0, None)
 class TcpPeer(WorkerPeer):
     """Thread-safe. Built (and connected) by ``TcpTransport.connect``."""
 
-    def __init__(self, endpoint: bytes, *, host: str, port: int, token: str, connections: int,
-                 frame_bytes: int, io_timeout: float, connect_timeout: float,
-                 table: Callable[[], RegionTable]) -> None:
+    def __init__(self, endpoint: bytes, *, host: str, port: int, key: bytes, endpoint_id: str,
+                 connections: int, frame_bytes: int, io_timeout: float,
+                 connect_timeout: float, table: Callable[[], RegionTable]) -> None:
         super().__init__(endpoint, f"tcp://{host}:{port}")
         self._frame_bytes = frame_bytes
         self._io_timeout = io_timeout
@@ -126,7 +129,7 @@ class TcpPeer(WorkerPeer):
         self._conns: list[_Conn] = []
         try:
             for _ in range(max(1, connections)):
-                sock = self._dial(host, port, token, connect_timeout)
+                sock = self._dial(host, port, key, endpoint_id, connect_timeout)
                 self._conns.append(_Conn(sock, Sink(sock, min(frame_bytes, 8 << 20))))
         except BaseException:
             for c in self._conns:
@@ -144,23 +147,16 @@ class TcpPeer(WorkerPeer):
 
     # --- setup ---------------------------------------------------------------------
 
-    def _dial(self, host: str, port: int, token: str, timeout: float) -> socket.socket:
+    def _dial(self, host: str, port: int, key: bytes, endpoint_id: str,
+              timeout: float) -> socket.socket:
         try:
             sock = socket.create_connection((host, port), timeout=timeout)
         except OSError as e:
             raise ConnectError(f"cannot reach tcp transport at {host}:{port}: {e}") from e
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            body = token.encode()
-            sock.sendall(Header(Kind.HELLO, 0, 0, len(body), 0).pack() + body)
-            hdr = bytearray(HEADER.size)
-            recv_exact(sock, memoryview(hdr))
-            h = Header.unpack(hdr)
-            msg = bytearray(min(h.desc_len, 4096))
-            recv_exact(sock, memoryview(msg))
-            if h.kind is not Kind.REPLY or h.code != Status.OK:
-                raise ConnectError(f"{host}:{port} refused the handshake: "
-                                   f"{msg.decode(errors='replace')}")
+            prove(sock, key=key, endpoint_id=endpoint_id, timeout=timeout,
+                  peer=f"tcp transport at {host}:{port}")
             sock.settimeout(self._io_timeout)
             return sock
         except (OSError, EOFError, ProtocolError) as e:

@@ -1,19 +1,33 @@
 """The receiving side of the tcp transport: accept connections, validate, scatter, reply.
 
-One thread accepts; one thread serves each connection, frame after frame:
+One thread accepts; one thread serves each connection. A connection opens with the
+mutual challenge–response of :mod:`~kvhandoff.transport.handshake_auth` (run by
+:class:`~kvhandoff.transport._served.ThreadedServer`: fixed-size frames, a deadline,
+nothing allocated and no frame header read before the client proved the endpoint's
+key). Then, frame after frame:
 
-    HELLO  → check the token (the endpoint's secret) → REPLY OK | BAD_TOKEN (and close);
-             before it, any other frame, or a HELLO over ``MAX_HELLO`` bytes, is
-             refused from its header alone (nothing a stranger announces is allocated)
     WRITE  → decode records → check payload size → check every record against the
              registered regions → refused: drain the payload, REPLY OUT_OF_BOUNDS
              (nothing written, no notice) → else scatter the payload → deliver the
              frame's notice, if it carries one → REPLY OK
 
+Only a peer that proved the key sends WRITEs, so only it learns, from a ``FLAG_CHECK``
+frame's OK / OUT_OF_BOUNDS, which addresses are registered (finding L5); once
+authenticated, a peer is trusted to write anywhere in the registered memory (the
+bounds check keeps it there, it does not confine it to one request's pages).
+
 A malformed frame gets REPLY MALFORMED and the connection is dropped; nothing that
 arrives on the wire can raise out of a serving thread (it is logged and the connection
 dropped). Idle connections block in ``recv`` (no CPU); a frame that stops arriving
 midway is dropped after ``io_timeout``.
+
+Torn writes: the payload is scattered into destination memory as it arrives (RDMA
+semantics, no staging copy), so a peer that disconnects (or dies) mid-frame leaves the
+bytes it sent so far written and the rest untouched. The frame gets no REPLY OK and its
+notice is never delivered, so the sender's handle fails (``PeerLost``) and the request
+cannot report SUCCESS: the session layer fails it and keeps its pages out of use until
+released (tests/security/test_data_auth.py). A refused frame, in contrast, writes
+nothing at all.
 """
 
 from __future__ import annotations
@@ -38,24 +52,23 @@ from kvhandoff.transport.tcp_wire import (
     Records,
     Status,
     split_notice,
-    unproven_problem,
 )
 
 
 class TcpServer(ThreadedServer):
     """Listens on ``host:port`` (0 = any free port). Thread-safe ``close`` (idempotent)."""
 
-    def __init__(self, *, host: str, port: int, token: str, table: Callable[[], RegionTable],
-                 io_timeout: float, bounce_bytes: int,
-                 deliver: Callable[[bytes], None]) -> None:
-        self.token = token.encode()
+    def __init__(self, *, host: str, port: int, key: bytes, endpoint_id: str,
+                 table: Callable[[], RegionTable], io_timeout: float, bounce_bytes: int,
+                 deliver: Callable[[bytes], None], max_per_host: int) -> None:
         self.table = table
         self.deliver = deliver  # a notice, once its frame's bytes landed (never raises)
         self._io_timeout = io_timeout
         self.bounce_bytes = bounce_bytes
         listener = socket.create_server((host, port), backlog=64)
         self.host, self.port = listener.getsockname()[:2]
-        super().__init__(listener, f"tcp-{self.port}")
+        super().__init__(listener, f"tcp-{self.port}", key=key, endpoint_id=endpoint_id,
+                         max_per_host=max_per_host)
 
     def serve(self, conn: socket.socket) -> None:
         conn.settimeout(self._io_timeout)
@@ -64,14 +77,13 @@ class TcpServer(ThreadedServer):
 
 
 class _Connection:
-    """One accepted connection's frame loop."""
+    """One authenticated connection's frame loop."""
 
     def __init__(self, sock: socket.socket, server: TcpServer) -> None:
         self.sock = sock
         self.server = server
         self.hdr = bytearray(HEADER.size)
         self.bounce = np.empty(server.bounce_bytes, np.uint8)
-        self.greeted = False
 
     def reply(self, seq: int, status: Status, message: str = "") -> None:
         body = message.encode()[:4096]
@@ -84,30 +96,14 @@ class _Connection:
                 continue  # idle: wake every io_timeout to notice close()
             try:
                 h = Header.unpack(self.hdr)
-                early = unproven_problem(h, greeted=self.greeted)
-                if early is not None:
-                    raise ProtocolError(early)
+                if h.kind is not Kind.WRITE:
+                    raise ProtocolError(f"unexpected {h.kind.name} frame")
             except ProtocolError as e:
                 self.reply(0, Status.MALFORMED, str(e))
                 raise
             desc = bytearray(h.desc_len)
             recv_exact(self.sock, memoryview(desc))
-            if h.kind is Kind.HELLO:
-                self.hello(h, bytes(desc))
-            elif h.kind is Kind.WRITE and self.greeted:
-                self.write(h, desc)
-            else:
-                msg = f"unexpected {h.kind.name} frame" + ("" if self.greeted else " before HELLO")
-                self.reply(h.seq, Status.MALFORMED, msg)
-                raise ProtocolError(msg)
-
-    def hello(self, h: Header, token: bytes) -> None:
-        if token != self.server.token:
-            self.reply(h.seq, Status.BAD_TOKEN, "endpoint token does not match this transport")
-            raise ProtocolError("HELLO with a wrong token")
-        self.greeted = True
-        self.server.greeted(self.sock)
-        self.reply(h.seq, Status.OK)
+            self.write(h, desc)
 
     def write(self, h: Header, desc: bytearray) -> None:
         check_only = bool(h.code & FLAG_CHECK)

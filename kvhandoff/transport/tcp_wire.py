@@ -1,7 +1,8 @@
 """The tcp transport's wire format: fixed headers and record tables. Pure: no sockets.
 
-Every frame is a header, then ``desc_len`` description bytes, then ``payload_len``
-payload bytes::
+A connection carries frames only once the handshake of
+:mod:`~kvhandoff.transport.handshake_auth` succeeded. Every frame is a header, then
+``desc_len`` description bytes, then ``payload_len`` payload bytes::
 
     header  <4s H H I Q Q Q>  magic b"KVHT", version, kind, code, seq, desc_len, payload_len
 
@@ -52,14 +53,13 @@ NO_RECORDS = struct.pack("<q", 0)
 MAX_DESC = 64 << 20  # larger descriptions or payloads are malformed: they bound what
 MAX_PAYLOAD = 1 << 32  # a hostile frame can make a receiver allocate or wait for
 MAX_RECORDS = 1 << 22
-MAX_HELLO = 256  # a HELLO's description (a token) is at most this long
 _FIELDS = 7
 _FEW = 64  # record tables up to this size are bounds-checked without vectorising
 _LIMIT = float(1 << 62)  # any address arithmetic beyond this is refused, never wrapped
 
 
 class Kind(enum.IntEnum):
-    HELLO = 1  # client → server, description = the server's token (hex ascii)
+    HELLO = 1  # client → server (staging, shm): open the session after the handshake; empty
     WRITE = 2  # client → server, description = records, payload = bytes
     REPLY = 3  # server → client, code = Status, description = utf-8 message
     BYE = 4  # client → server (staging control only), no description: a clean goodbye
@@ -70,7 +70,7 @@ class Status(enum.IntEnum):
     OUT_OF_BOUNDS = 1
     MALFORMED = 2
     INTERNAL = 3
-    BAD_TOKEN = 4
+    BAD_TOKEN = 4  # no longer sent (keys are proven by handshake_auth); kept for the code
 
 
 def reply_error(status: int, message: str, peer: str) -> TransportError:
@@ -102,21 +102,6 @@ def split_notice(desc: bytearray) -> tuple[bytes, memoryview]:
     if end > len(desc):
         raise ProtocolError(f"notice of {n} B does not fit a {len(desc)} B description")
     return bytes(desc[_NOTICE_LEN.size:end]), memoryview(desc)[end:]
-
-
-def unproven_problem(h: Header, *, greeted: bool) -> str | None:
-    """Why frame ``h`` may not be read from a connection that has not shown the
-    endpoint's token yet (``greeted`` False), or None. Checked on the header alone, so
-    nothing a stranger announces is allocated: before its HELLO a connection may send
-    only a HELLO of at most ``MAX_HELLO`` bytes and no payload."""
-    if greeted:
-        return None
-    if h.kind is not Kind.HELLO:
-        return f"unexpected {h.kind.name} frame before HELLO"
-    if h.desc_len > MAX_HELLO or h.payload_len:
-        return (f"HELLO announces {h.desc_len} B of token and {h.payload_len} B of payload; "
-                f"a HELLO carries at most {MAX_HELLO} B and no payload")
-    return None
 
 
 class Header(NamedTuple):

@@ -43,6 +43,7 @@ from kvhandoff.transport import (
     available_transports,
 )
 from kvhandoff.transport._engine import EnginePeer
+from kvhandoff.transport._served import prove
 from kvhandoff.transport.base import Handle, Peer
 from kvhandoff.transport.regions import RegionTable
 from kvhandoff.transport.staging import (
@@ -158,12 +159,20 @@ def _dial(endpoint: bytes) -> tuple[socket.socket, list[list[int]]]:
     return _dial_option(json.loads(endpoint)["options"]["staging"])
 
 
-def _dial_option(option: str) -> tuple[socket.socket, list[list[int]]]:
-    """HELLO to the staging server of an endpoint's ``staging`` option: (socket, slots)."""
+def _authed(option: str) -> socket.socket:
+    """A socket to the staging server of an endpoint's ``staging`` option, past the
+    data-plane handshake (the token is the key: no deployment secret)."""
     info = json.loads(option)
     sock = socket.create_connection((info["host"], info["port"]), timeout=5)
-    token = info["token"].encode()
-    sock.sendall(Header(Kind.HELLO, 0, 0, len(token), 0).pack() + token)
+    prove(sock, key=info["token"].encode(), endpoint_id=info["id"], timeout=5, peer="test")
+    sock.settimeout(5)
+    return sock
+
+
+def _dial_option(option: str) -> tuple[socket.socket, list[list[int]]]:
+    """HELLO to the staging server of an endpoint's ``staging`` option: (socket, slots)."""
+    sock = _authed(option)
+    sock.sendall(_HELLO)
     h, body = _reply(sock)
     assert h.code == Status.OK
     return sock, json.loads(body)["slots"]
@@ -191,17 +200,18 @@ def _commit(sock: socket.socket, seq: int, slot: int, rec: Records) -> int:
 
 @pytest.mark.parametrize("engine", engines())
 def test_hostile_control_connections_cannot_scatter(engine: str) -> None:
-    """A client speaking the control protocol directly: a wrong token is refused; a
-    commit naming memory outside the registrations, a slot not leased to it, or more
-    bytes than a slot is refused and nothing is written."""
+    """A client speaking the control protocol directly: a wrong key is refused in the
+    handshake, before any frame is read; a commit naming memory outside the
+    registrations, a slot not leased to it, or more bytes than a slot is refused and
+    nothing is written."""
     with make(engine, staging=SMALL) as r:
         dst = r.allocate(1 << 20)
         base = int(dst.ctypes.data)
         ep = r.endpoint()
         info = json.loads(json.loads(ep)["options"]["staging"])
-        with socket.create_connection((info["host"], info["port"]), timeout=5) as bad:
-            bad.sendall(Header(Kind.HELLO, 0, 0, 4, 0).pack() + b"nope")
-            assert _reply(bad)[0].code == Status.BAD_TOKEN
+        with (socket.create_connection((info["host"], info["port"]), timeout=5) as bad,
+              pytest.raises(ConnectError, match="refused our proof")):
+            prove(bad, key=b"nope", endpoint_id=info["id"], timeout=5, peer="test")
         page = 4096
         inside = Records.build([(base, page, 0, page, 1, page)], [np.array([2])])
         sock, slots = _dial(ep)
@@ -312,6 +322,7 @@ def test_receiver_killed_mid_staged_transfer(engine: str) -> None:
 # --- slots after a sender leaves: BYE, or quarantine ---------------------------------------
 
 _BYE = Header(Kind.BYE, 0, 0, 0, 0).pack()
+_HELLO = Header(Kind.HELLO, 0, 0, 0, 0).pack()  # after the handshake: lease me slots
 _FOREVER = 600.0  # a quarantine no test outlives: slots held back stay held back
 
 
@@ -379,11 +390,13 @@ def test_a_clean_close_says_bye_and_frees_the_slots_at_once(engine: str, how: st
 
 _CHILD = """
 import json, socket, sys, time
+from kvhandoff.transport._served import prove
 from kvhandoff.transport.tcp_wire import HEADER, Header, Kind
 info = json.loads(sys.argv[1])
 s = socket.create_connection((info["host"], info["port"]), timeout=5)
-tok = info["token"].encode()
-s.sendall(Header(Kind.HELLO, 0, 0, len(tok), 0).pack() + tok)
+prove(s, key=info["token"].encode(), endpoint_id=info["id"], timeout=5, peer="test")
+s.settimeout(5)
+s.sendall(Header(Kind.HELLO, 0, 0, 0, 0).pack())
 buf = b""
 while len(buf) < HEADER.size or len(buf) < HEADER.size + Header.unpack(buf[:HEADER.size]).desc_len:
     part = s.recv(65536)
@@ -557,15 +570,11 @@ def _answer(sock: socket.socket) -> list[tuple[Header, bytes]]:
     return _frames(out)
 
 
-def _hello_frame(option: str) -> bytes:
-    tok = json.loads(option)["token"].encode()
-    return Header(Kind.HELLO, 0, 0, len(tok), 0).pack() + tok
-
-
 @pytest.mark.parametrize("case", ["before hello", "with description", "with payload",
                                   "with flags", "twice"])
 def test_a_bye_out_of_place_is_refused(case: str) -> None:
-    """BYE from a sender never greeted, or with anything in it: REPLY MALFORMED, the
+    """BYE (after the handshake) from a sender never greeted by HELLO, or with anything
+    in it: REPLY MALFORMED, the
     connection dropped and (if slots were leased) quarantined, not freed; the server
     goes on serving."""
     dst = np.zeros(1 << 16, np.uint8)
@@ -576,7 +585,7 @@ def test_a_bye_out_of_place_is_refused(case: str) -> None:
         arena = rx._arena
         assert arena is not None
         threads0 = thread_count()
-        hello = _hello_frame(option)
+        hello = _HELLO
         raw = {
             "before hello": _BYE,
             "with description": hello + Header(Kind.BYE, 0, 0, 4, 0).pack() + b"oops",
@@ -584,8 +593,7 @@ def test_a_bye_out_of_place_is_refused(case: str) -> None:
             "with flags": hello + Header(Kind.BYE, FLAG_CHECK, 0, 0, 0).pack(),
             "twice": _BYE + _BYE,  # the first is before HELLO already
         }[case]
-        info = json.loads(option)
-        with socket.create_connection((info["host"], info["port"]), timeout=5) as sock:
+        with _authed(option) as sock:
             sock.sendall(raw)
             frames = _answer(sock)
         assert frames, "the server said nothing"
@@ -610,20 +618,17 @@ def test_a_bye_out_of_place_is_refused(case: str) -> None:
         rx.close()
 
 
-@pytest.mark.parametrize("greeted", [False, True], ids=["before_hello", "after_hello"])
-def test_tcp_refuses_a_bye_frame(greeted: bool) -> None:
+def test_tcp_refuses_a_bye_frame() -> None:
     """BYE is a staging control frame: the tcp server treats it as any unexpected kind
-    (REPLY MALFORMED, connection dropped) and goes on serving."""
+    (REPLY MALFORMED, connection dropped) and goes on serving. (Before the handshake no
+    frame is read at all: see test_tcp_wire.)"""
     with TcpTransport(io_timeout=2.0) as r, TcpTransport() as s:
         r.allocate(1 << 16)
         ep = r.endpoint()
-        e = json.loads(ep)
-        tok = e["token"].encode()
-        hello = Header(Kind.HELLO, 0, 0, len(tok), 0).pack() + tok
-        with socket.create_connection((e["host"], e["port"]), timeout=5) as sock:
-            sock.sendall((hello if greeted else b"") + _BYE)
+        with _authed(ep.decode()) as sock:
+            sock.sendall(_BYE)
             frames = _answer(sock)
-        assert len(frames) == 1 + greeted
+        assert len(frames) == 1
         last, message = frames[-1]
         assert last.kind is Kind.REPLY and last.code == Status.MALFORMED
         assert b"BYE" in message

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import struct
 
@@ -13,6 +14,13 @@ from kvhandoff.layout import Region
 from kvhandoff.plan.execute import HostMemory, execute
 from kvhandoff.plan.model import Plan, TensorPlan
 from kvhandoff.transport import ProtocolError, TransferState
+from kvhandoff.transport._served import prove
+from kvhandoff.transport.handshake_auth import (
+    CLIENT_FRAME,
+    SERVER_FRAME,
+    ClientHandshake,
+    HandshakeFailed,
+)
 from kvhandoff.transport.regions import RegionTable, raw_view
 from kvhandoff.transport.tcp import TcpTransport
 from kvhandoff.transport.tcp_data import Sink
@@ -160,11 +168,12 @@ def test_tcp_options_stay_byte_exact(opts: dict[str, int], kind: str) -> None:
 # --- hostile input ---------------------------------------------------------------------
 
 
-def _raw(ep: bytes) -> socket.socket:
-    import json
-
+def _raw(ep: bytes, *, authenticate: bool = False) -> socket.socket:
+    """A raw socket to the endpoint's data port; ``authenticate``: past the handshake."""
     e = json.loads(ep)
     s = socket.create_connection((e["host"], e["port"]), timeout=5)
+    if authenticate:
+        prove(s, key=e["token"].encode(), endpoint_id=e["id"], timeout=5, peer="test")
     return s
 
 
@@ -181,18 +190,12 @@ def _reply_or_eof(s: socket.socket) -> bytes:
         out += part
 
 
-def _hello(ep: bytes) -> bytes:
-    import json
-
-    tok = json.loads(ep)["token"].encode()
-    return Header(Kind.HELLO, 0, 0, len(tok), 0).pack() + tok
+PRE_AUTH = ("garbage", "bad-version", "wrong key", "frame instead of answer")
 
 
 @pytest.mark.parametrize("payload", [
-    pytest.param(b"garbage" * 10, id="garbage"),
-    pytest.param(b"KVHT" + b"\xff" * 40, id="bad-version"),
-    "bad token",
-    "write before hello",
+    *PRE_AUTH,
+    "hello after handshake",
     "size mismatch",
     "bad records",
     "reply kind",
@@ -200,7 +203,7 @@ def _hello(ep: bytes) -> bytes:
     "notice overruns",
     "notice on check",
 ])
-def test_malformed_frames_drop_the_connection_not_the_server(payload: bytes | str) -> None:
+def test_malformed_frames_drop_the_connection_not_the_server(payload: str) -> None:
     with TcpTransport(io_timeout=2.0) as r, TcpTransport() as s:
         dst = r.allocate(1 << 16)
         ep = r.endpoint()
@@ -211,28 +214,44 @@ def test_malformed_frames_drop_the_connection_not_the_server(payload: bytes | st
         notices: list[bytes] = []
         r.on_notice(notices.append)
         frames = {
-            "bad token": Header(Kind.HELLO, 0, 0, 3, 0).pack() + b"abc",
-            "write before hello": Header(Kind.WRITE, 0, 1, len(good), 4096).pack() + good,
-            "size mismatch": _hello(ep) + Header(Kind.WRITE, 0, 1, len(good), 10).pack() + good,
-            "bad records": _hello(ep) + Header(Kind.WRITE, 0, 1, 9, 0).pack() + b"\x01" * 9,
-            "reply kind": _hello(ep) + Header(Kind.REPLY, 0, 1, 0, 0).pack(),
-            "truncated": _hello(ep) + Header(Kind.WRITE, 0, 1, len(good), 4096).pack() + good
+            "hello after handshake": Header(Kind.HELLO, 0, 0, 0, 0).pack(),
+            "size mismatch": Header(Kind.WRITE, 0, 1, len(good), 10).pack() + good,
+            "bad records": Header(Kind.WRITE, 0, 1, 9, 0).pack() + b"\x01" * 9,
+            "reply kind": Header(Kind.REPLY, 0, 1, 0, 0).pack(),
+            "truncated": Header(Kind.WRITE, 0, 1, len(good), 4096).pack() + good
             + b"\0" * 100,
-            "notice overruns": _hello(ep) + Header(Kind.WRITE, FLAG_NOTICE, 1, 4 + len(good),
-                                                   4096).pack()
+            "notice overruns": Header(Kind.WRITE, FLAG_NOTICE, 1, 4 + len(good),
+                                      4096).pack()
             + struct.pack("<I", 1000) + good,
-            "notice on check": _hello(ep) + Header(Kind.WRITE, FLAG_NOTICE | FLAG_CHECK, 1,
-                                                   len(noticed), 0).pack() + noticed,
+            "notice on check": Header(Kind.WRITE, FLAG_NOTICE | FLAG_CHECK, 1,
+                                      len(noticed), 0).pack() + noticed,
         }
-        raw = frames.get(payload, payload) if isinstance(payload, str) else payload
-        assert isinstance(raw, bytes)
-        sock = _raw(ep)
+        sock = _raw(ep, authenticate=payload not in PRE_AUTH)
+        if payload in PRE_AUTH:
+            challenge = sock.recv(SERVER_FRAME, socket.MSG_WAITALL)
+            assert challenge.startswith(b"KVHA") and len(challenge) == SERVER_FRAME
+            if payload == "wrong key":
+                raw = ClientHandshake.new(b"not the token", json.loads(ep)["id"],
+                                          peer="test").answer(challenge)
+            elif payload == "garbage":
+                raw = (b"garbage" * 11)[:CLIENT_FRAME]  # a whole ANSWER's worth
+            elif payload == "bad-version":
+                raw = b"KVHA\x02" + b"\xff" * (CLIENT_FRAME - 5)
+            else:  # what a client of the old protocol sent first
+                raw = Header(Kind.HELLO, 0, 0, 36, 0).pack() + b"t" * 36
+            assert len(raw) == CLIENT_FRAME  # the server reads exactly one ANSWER
+        else:
+            raw = frames[payload]
         sock.sendall(raw)
         if payload == "truncated":
             sock.shutdown(socket.SHUT_WR)  # the sender vanishes mid-payload
         answer = _reply_or_eof(sock)
         sock.close()
-        if answer:
+        if payload in PRE_AUTH:  # refused with a REFUSED frame, nothing else
+            assert answer.startswith(b"KVHA") and len(answer) == SERVER_FRAME, answer
+            with pytest.raises(HandshakeFailed, match="refused our proof"):
+                ClientHandshake.new(b"k", json.loads(ep)["id"], peer="test").answer(answer)
+        elif answer:
             assert answer.startswith(b"KVHT")
         assert not dst.any() or payload == "truncated"
         assert not notices, "a malformed frame's notice was delivered"

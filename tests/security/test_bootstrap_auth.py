@@ -201,7 +201,8 @@ def test_hijack_end_to_end_is_refused_and_handoffs_keep_working(
     deregisters it, signed."""
     from kvhandoff.testing.rig import Rig
 
-    rig = Rig(secure.url, "h1", prefill_cfg={"secret_file": secret_file})
+    rig = Rig(secure.url, "h1", prefill_cfg={"secret_file": secret_file},
+              decode_cfg={"secret_file": secret_file})
     try:
         rig.handoff(rig.plan(1))
         (held,) = lookup(secure.url, "h1", wait_timeout=0).ranks

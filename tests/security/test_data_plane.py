@@ -1,6 +1,7 @@
 """Strangers on the tcp data port (and the staging control port) cannot make a
 receiver allocate, hold connections, or kill the accept loop; a legitimate handoff
-before and after each attack is byte-exact (findings H4, H5, L3)."""
+before and after each attack is byte-exact (findings H4, H5, L3). The data-plane
+handshake itself is tested in test_data_auth.py."""
 
 from __future__ import annotations
 
@@ -14,12 +15,20 @@ from pathlib import Path
 import pytest
 
 from kvhandoff.testing.fixtures import bootstrap, instance, no_leaked_threads, rig
-from kvhandoff.testing.hostile import closed_by_peer, data_port, exact, frame, read_reply
+from kvhandoff.testing.hostile import data_port, exact, frame, read_reply
 from kvhandoff.testing.rig import Rig
 from kvhandoff.transport import _served, staging
+from kvhandoff.transport._served import prove
 from kvhandoff.transport.errors import ProtocolError
+from kvhandoff.transport.handshake_auth import (
+    CLIENT_FRAME,
+    SERVER_FRAME,
+    ClientHandshake,
+    HandshakeFailed,
+)
 from kvhandoff.transport.regions import RegionTable
-from kvhandoff.transport.tcp_wire import MAX_DESC, Kind, Records, Status
+from kvhandoff.transport.tcp import TcpEndpoint
+from kvhandoff.transport.tcp_wire import HEADER, MAX_DESC, Kind, Records, Status
 
 FIXTURES = (bootstrap, instance, no_leaked_threads, rig)  # imported for pytest
 VICTIM = Path(__file__).with_name("emfile_victim.py")
@@ -31,33 +40,64 @@ def _dial(host: str, port: int, timeout: float = 10.0) -> socket.socket:
     return s
 
 
+def _until_closed(s: socket.socket) -> bytes:
+    """Everything the server sends until it closes ``s`` (a reset counts as closed)."""
+    out = b""
+    while True:
+        try:
+            part = s.recv(4096)
+        except ConnectionError:
+            return out
+        if not part:
+            return out
+        out += part
+
+
+def _refused(data: bytes) -> bool:
+    """Whether ``data`` ends with a handshake REFUSED frame."""
+    try:
+        ClientHandshake.new(b"k", "00" * 8, peer="x").answer(data[-SERVER_FRAME:])
+    except HandshakeFailed as e:
+        return "refused" in str(e)
+    return False
+
+
 @pytest.mark.parametrize("kind", [Kind.HELLO, Kind.WRITE])
-def test_a_huge_description_before_hello_is_refused_from_its_header(rig: Rig,
-                                                                    kind: Kind) -> None:
+def test_a_huge_frame_before_the_handshake_is_never_read(rig: Rig, kind: Kind) -> None:
+    """A header announcing 64 MiB, where the handshake's ANSWER belongs: the server
+    reads exactly one ANSWER's bytes, refuses them and closes (before the handshake it
+    allocated 64 MiB per connection, H5)."""
     rig.handoff(rig.plan(1))
     host, port, _ = data_port(rig.decode)
     with _dial(host, port) as s:
-        s.sendall(frame(kind, b"x", desc_len=MAX_DESC))  # 64 MiB announced, 1 B sent
-        reply = read_reply(s)  # before the fix: the server allocates and waits for 64 MiB
-        assert reply is not None and reply[0] is Status.MALFORMED, reply
-        assert "HELLO" in reply[1]
-        assert closed_by_peer(s)
+        assert s.recv(SERVER_FRAME, socket.MSG_WAITALL).startswith(b"KVHA")  # the challenge
+        s.sendall(frame(kind, b"x" * (CLIENT_FRAME - HEADER.size), desc_len=MAX_DESC))
+        assert _refused(_until_closed(s))
     rig.handoff(rig.plan(2, block=2))
     assert exact(rig, [rig.plan(1), rig.plan(2, block=2)]) == []
 
 
 def test_staging_refuses_a_huge_hello_before_allocating() -> None:
     arena = staging.Arena(2, 4096)
-    server = staging.StagingServer(host="127.0.0.1", token=b"t" * 32, arena=arena,
-                                   slots_per_peer=1, table=RegionTable,
+    server = staging.StagingServer(host="127.0.0.1", key=b"t" * 32, endpoint_id="ab" * 8,
+                                   arena=arena, slots_per_peer=1, table=RegionTable,
                                    io_timeout=10.0, quarantine=1.0)
     try:
         with _dial(server.host, server.port) as s:
-            s.sendall(frame(Kind.HELLO, b"x", desc_len=MAX_DESC))
-            reply = read_reply(s)
+            assert s.recv(SERVER_FRAME, socket.MSG_WAITALL).startswith(b"KVHA")
+            s.sendall(frame(Kind.HELLO, b"x" * (CLIENT_FRAME - HEADER.size),
+                            desc_len=MAX_DESC))
+            assert _refused(_until_closed(s))
+        with _dial(server.host, server.port) as s:  # the real key still works, and after
+            prove(s, key=b"t" * 32, endpoint_id="ab" * 8, timeout=10, peer="staging")
+            s.settimeout(10)
+            s.sendall(frame(Kind.HELLO, b"x", desc_len=MAX_DESC))  # it: a non-empty HELLO
+            reply = read_reply(s)  # is refused from its header
             assert reply is not None and reply[0] is Status.MALFORMED, reply
-        with _dial(server.host, server.port) as s:  # the real token still works
-            s.sendall(frame(Kind.HELLO, b"t" * 32))
+        with _dial(server.host, server.port) as s:
+            prove(s, key=b"t" * 32, endpoint_id="ab" * 8, timeout=10, peer="staging")
+            s.settimeout(10)
+            s.sendall(frame(Kind.HELLO))
             reply = read_reply(s)
             assert reply is not None and reply[0] is Status.OK, reply
     finally:
@@ -76,10 +116,10 @@ def test_silent_connections_are_capped_and_cut(rig: Rig, tight_caps: None) -> No
     host, port, _ = data_port(rig.decode)
     idle = [_dial(host, port) for _ in range(4)]
     try:
-        with _dial(host, port) as extra:  # over MAX_UNPROVEN_PER_HOST: closed at once
-            assert closed_by_peer(extra)
-        for s in idle:  # never showed the token: cut after HELLO_DEADLINE_S
-            assert closed_by_peer(s)
+        with _dial(host, port) as extra:  # over MAX_UNPROVEN_PER_HOST: refused at once
+            assert _refused(_until_closed(extra))
+        for s in idle:  # never answered the challenge: cut after HELLO_DEADLINE_S
+            assert len(_until_closed(s)) <= SERVER_FRAME  # at most the challenge
     finally:
         for s in idle:
             s.close()
@@ -90,12 +130,12 @@ def test_silent_connections_are_capped_and_cut(rig: Rig, tight_caps: None) -> No
 
 def test_a_record_count_that_wraps_int64_is_malformed(rig: Rig) -> None:
     rig.handoff(rig.plan(1))
-    host, port, token = data_port(rig.decode)
+    ep = TcpEndpoint.parse(rig.decode.transport.endpoint())
     ptr = int(rig.darena.bufs[0].ctypes.data)  # 1 × 4096 B × 2**52 rows = 2**64 B
     table = struct.pack("<q7qq", 1, ptr, 0, 0, 4096, 1 << 52, 0, 1, 0)
-    with _dial(host, port) as s:
-        s.sendall(frame(Kind.HELLO, token))
-        assert read_reply(s) == (Status.OK, "")
+    with _dial(ep.host, ep.port) as s:
+        prove(s, key=ep.token.encode(), endpoint_id=ep.id, timeout=10, peer="decode")
+        s.settimeout(10)
         s.sendall(frame(Kind.WRITE, table, payload_len=0))
         reply = read_reply(s)  # before the fix: nbytes wrapped to 0, then a traceback
         assert reply is not None and reply[0] is Status.MALFORMED, reply

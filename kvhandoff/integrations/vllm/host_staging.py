@@ -47,6 +47,7 @@ import torch
 from kvhandoff.integrations.vllm.layout import TensorInfo
 from kvhandoff.layout import MemoryKind
 from kvhandoff.session.config import SessionConfig
+from kvhandoff.session.secret import data_key
 from kvhandoff.transport.base import Transport
 from kvhandoff.transport.registry import (
     CUDA_STAGED_ONLY,
@@ -287,7 +288,9 @@ def kv_memory(tensors: Mapping[str, torch.Tensor], groups: Sequence[Sequence[str
         if cuda:
             config = config.replace(transport_options={**config.transport_options, "cuda": True})
         return KvMemory(config, tensors)
-    transport = create_transport(name, **dict(config.transport_options)) if own else None
+    transport = create_transport(  # keyed as the agent keys its own (session.agent)
+        name, **{"data_secret": data_key(config.secret_file), **config.transport_options}
+    ) if own else None
     try:
         staging = HostStaging(tensors, groups,
                               pin=None if name in CUDA_STAGED_ONLY else False,
