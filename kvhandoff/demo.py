@@ -44,9 +44,9 @@ from kvhandoff.demo_worker import (
     prefill_main,
     prompt_plan,
 )
-from kvhandoff.layout_demo import human_size
 from kvhandoff.observe.trace import ENV as TRACE_ENV
 from kvhandoff.observe.trace import read as read_trace
+from kvhandoff.plan.format import human_size
 
 if TYPE_CHECKING:
     from kvhandoff.session.bootstrap import BootstrapServer

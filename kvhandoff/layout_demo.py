@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import sys
 import time
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ import numpy as np
 from kvhandoff.layout import Layout
 from kvhandoff.plan import Indices, Plan, plan
 from kvhandoff.plan.execute import HostMemory, execute
+from kvhandoff.plan.format import human_size
 from kvhandoff.shapes import SHAPES, LayerKind, ModelShape, layout_for, request_for
 from kvhandoff.testing.oracle import expected_writes
 
@@ -35,6 +37,7 @@ HYBRID = ModelShape(
     linear_k_heads=4, linear_k_dim=64, linear_v_heads=8, linear_v_dim=64, conv_kernel=4,
 )
 MODELS = {"hybrid": HYBRID, **SHAPES}
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +115,7 @@ def handoff(shape: ModelShape, *, prefill_tp: int, decode_tp: int, tokens: int,
         request = request_for(shape, prefill[0][0], d_lay, tokens, seed=seed)
         for s_lay, s_mem in prefill:
             p, ms = _timed_plan(s_lay, d_lay, request)
+            log.debug("%s", p)
             execute(p, s_mem, d_mem)
             pairs.append(PairResult(s_lay.tp_rank, d_lay.tp_rank, p.nbytes, p.by_component(),
                                     p.num_pieces, len(p.flatten()), len(p.coalesce()), ms))
@@ -152,12 +156,3 @@ def render(s: Summary) -> str:
                else f"{s.mismatched_bytes} of {s.verified_bytes} bytes WRONG ✗")
     lines.append(f"moved {human_size(sum(r.nbytes for r in s.pairs))}: {verdict}")
     return "\n".join(lines)
-
-
-def human_size(n: float) -> str:
-    """``n`` bytes as B / KiB / MiB / GiB, for the demos' tables."""
-    for unit in ("B", "KiB", "MiB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"

@@ -63,7 +63,7 @@ from kvhandoff.integrations.vllm_serve import (
     vllm_python,
 )
 from kvhandoff.integrations.vllm_tiny import MODELS, SERVE_ARGS, serve_dtype
-from kvhandoff.layout_demo import human_size
+from kvhandoff.plan.format import human_size
 
 MODEL_KIND = "granitemoehybrid"
 DEFAULT_TOKENS = (5, 60, 250, 600)

@@ -6,7 +6,15 @@ from collections.abc import Callable
 
 from kvhandoff.errors import OutOfBounds, PlanError
 from kvhandoff.layout import Layout, TensorSpec
-from kvhandoff.plan.compat import ComponentPair, TensorPair, by_rows, pair_layouts, unit_kind
+from kvhandoff.plan.compat import (
+    ComponentPair,
+    TensorPair,
+    UnitKind,
+    UnitsKey,
+    by_rows,
+    pair_layouts,
+    unit_kind,
+)
 from kvhandoff.plan.model import Plan, TensorPlan, _entry
 from kvhandoff.plan.pairing import check_unique, pair_items, ring_units, token_units
 from kvhandoff.plan.request import IndexArray, Indices, Request
@@ -59,7 +67,7 @@ class _UnitCache:
 
     def __init__(self, comp: ComponentPair, idx: Indices, notes: list[str]) -> None:
         self.comp, self.idx, self.notes = comp, idx, notes
-        self.units: dict[tuple[str, int, int], Units] = {}
+        self.units: dict[UnitsKey, Units] = {}
         self.items: tuple[IndexArray, IndexArray] | None = None
         if idx.num_rows is not None and comp.tensors and not comp.token_rows:
             raise PlanError(f"component {comp.name!r}: num_rows {idx.num_rows} given, but none "
@@ -74,17 +82,17 @@ class _UnitCache:
             self.items = (s, d)
         return self.items
 
-    def get(self, key: tuple[str, int, int]) -> Units:
+    def get(self, key: UnitsKey) -> Units:
         u = self.units.get(key)
         if u is None:
             kind, s_rows, d_rows = key
             name, idx = self.comp.name, self.idx
-            if kind == "token":
+            if kind is UnitKind.TOKEN:
                 su, du = token_units(name, self.comp.policy, idx, s_rows, d_rows, self.notes)
                 check_unique(name, "decode", du)
-            elif kind == "ring":
+            elif kind is UnitKind.RING:
                 su, du = ring_units(name, *self.paired(), idx.positions, s_rows, d_rows)
-            else:
+            else:  # UnitKind.ITEM
                 su, du = self.paired()
             u = self.units[key] = Units(su, du)
         return u
@@ -98,11 +106,11 @@ def _component(comp: ComponentPair, idx: Indices, notes: list[str]) -> list[Tens
     cache = _UnitCache(comp, idx, notes)
     table = comp.tables[by_rows(idx)]
     units: list[Units] = []
-    for kind in table.kinds:
-        u = cache.get(kind.key)
+    for group in table.groups:
+        u = cache.get(group.key)
         if len(u.src):
             (s_lo, s_hi), (d_lo, d_hi) = u.src_range, u.dst_range
-            if s_lo < 0 or d_lo < 0 or s_hi > kind.src_max or d_hi > kind.dst_max:
+            if s_lo < 0 or d_lo < 0 or s_hi > group.src_max or d_hi > group.dst_max:
                 return _component_general(comp, idx, notes, cache)
         units.append(u)
     out = []

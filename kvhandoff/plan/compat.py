@@ -7,6 +7,7 @@ something the handshake could have seen.
 
 from __future__ import annotations
 
+import enum
 import functools
 import sys
 from dataclasses import dataclass, field
@@ -35,13 +36,26 @@ class TensorPair:
         return self.src.rows == self.dst.rows
 
 
+class UnitKind(enum.StrEnum):
+    """What one unit of a tensor pair is, for a request: how the planner turns the
+    request's indices into unit indices (see :func:`unit_kind`)."""
+
+    TOKEN = "token"  # one token row of a page tensor (page sizes differ, or rows are named)
+    RING = "ring"  # one ring row; ring sizes differ, so rows move by position
+    ITEM = "item"  # one whole item (page, slot, aux row), paired item by item
+
+
+UnitsKey = tuple[UnitKind, int, int]
+"""(kind, prefill rows, decode rows): tensors with equal keys share their units."""
+
+
 @dataclass(frozen=True, slots=True)
-class UnitKind:
+class UnitGroup:
     """One distinct way a component's tensors turn a request into units (computed once
     per request for every tensor sharing it), with the bounds of every tensor that uses
     it folded into the highest unit index each side may take."""
 
-    key: tuple[str, int, int]  # ("token" | "ring" | "item", prefill rows, decode rows)
+    key: UnitsKey
     src_max: int  # a unit index above this reaches past some writing tensor's end
     dst_max: int
 
@@ -51,8 +65,8 @@ class UnitTable:
     """A component's tensors as the planner walks them for one request shape (whether
     the request starts mid-page or not): everything that depends only on the layouts."""
 
-    kinds: tuple[UnitKind, ...]  # in order of first use
-    # per writing tensor pair, in order: (index into kinds, the fixed TensorPlan fields)
+    groups: tuple[UnitGroup, ...]  # in order of first use
+    # per writing tensor pair, in order: (index into groups, the fixed TensorPlan fields)
     writers: tuple[tuple[int, dict[str, object]], ...]
 
 
@@ -215,14 +229,15 @@ def by_rows(idx: Indices) -> bool:
     return bool(idx.src_first_row or idx.dst_first_row or idx.num_rows is not None)
 
 
-def unit_kind(tp: TensorPair, rows: bool) -> tuple[tuple[str, int, int], bool]:
+def unit_kind(tp: TensorPair, rows: bool) -> tuple[UnitsKey, bool]:
     """The units key of a tensor pair and whether it moves by rows: the same decision the
     general path of the planner makes per tensor (``rows``: :func:`by_rows` of the
     request)."""
     s, t = tp.src, tp.dst
     row_path = s.row_kind is RowKind.TOKEN and (not tp.same_rows or rows)
     ring_path = s.row_kind is RowKind.RING and not tp.same_rows
-    key = ("token" if row_path else "ring" if ring_path else "item", s.rows, t.rows)
+    kind = UnitKind.TOKEN if row_path else UnitKind.RING if ring_path else UnitKind.ITEM
+    key = (kind, s.rows, t.rows)
     return key, bool(row_path or ring_path)
 
 
@@ -236,7 +251,7 @@ def _max_index(unit: int, extent: int, nbytes: int) -> int:
 
 
 def unit_table(name: str, tensors: tuple[TensorPair, ...], rows: bool) -> UnitTable:
-    keys: dict[tuple[str, int, int], list[int]] = {}  # key -> [src_max, dst_max]
+    keys: dict[UnitsKey, list[int]] = {}  # key -> [src_max, dst_max]
     writers: list[tuple[int, dict[str, object]]] = []
     for tp in tensors:
         key, by_row = unit_kind(tp, rows)
@@ -255,5 +270,5 @@ def unit_table(name: str, tensors: tuple[TensorPair, ...], rows: bool) -> UnitTa
             "src_ptr": tp.src.ptr, "dst_ptr": tp.dst.ptr, "src_unit": s_unit,
             "dst_unit": d_unit, "pieces": pcs, "_per_unit": per_unit,
         }))
-    kinds = tuple(UnitKind(k, v[0], v[1]) for k, v in keys.items())
-    return UnitTable(kinds, tuple(writers))
+    groups = tuple(UnitGroup(k, v[0], v[1]) for k, v in keys.items())
+    return UnitTable(groups, tuple(writers))

@@ -16,6 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvhandoff.plan.request import IndexArray
+from kvhandoff.plan.runs import run_starts, runs
 
 I64 = npt.NDArray[np.int64]
 
@@ -91,9 +92,7 @@ class TensorPlan:
         key = (id(s), id(d))
         found = cache.get(key) if cache is not None else None
         if found is None:
-            brk = np.flatnonzero((np.diff(s) != 1) | (np.diff(d) != 1)) + 1
-            starts = np.concatenate(([0], brk))
-            found = (starts, np.diff(np.concatenate((starts, [len(s)]))))
+            found = runs(s, d)
             if cache is not None:
                 cache[key] = found
         starts, counts = found
@@ -151,13 +150,9 @@ class Segments:
 
     def coalesce(self) -> Segments:
         """Merge neighbours that are contiguous on both sides (pages 7,8,9 → one)."""
-        n = len(self)
-        if n < 2:
+        if len(self) < 2:
             return self
-        end_s = self.src[:-1] + self.length[:-1]
-        end_d = self.dst[:-1] + self.length[:-1]
-        brk = np.flatnonzero((end_s != self.src[1:]) | (end_d != self.dst[1:])) + 1
-        starts = np.concatenate(([0], brk))
+        starts = run_starts(self.src, self.dst, step=self.length)
         return Segments(self.src[starts], self.dst[starts], np.add.reduceat(self.length, starts))
 
 
@@ -188,6 +183,13 @@ class Plan:
 
     def __bool__(self) -> bool:
         return any(e.bytes_per_unit and len(e.src_idx) for e in self.entries)
+
+    def __str__(self) -> str:
+        """A few human lines (:func:`kvhandoff.plan.format.format_plan`), so that
+        ``log.debug("%s", plan)`` formats only when the record is emitted."""
+        from kvhandoff.plan.format import format_plan  # format imports this module
+
+        return format_plan(self)
 
     def by_component(self) -> dict[str, int]:
         """Bytes planned per component."""

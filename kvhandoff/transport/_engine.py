@@ -467,10 +467,7 @@ class EngineTransport(Transport):
     # --- the data path ---------------------------------------------------------------
 
     def submit(self, peer: Peer, plan: Plan, *, notice: bytes | None = None) -> Handle:
-        self._check_open()
-        self._check_notice(notice)
-        if not isinstance(peer, self.peer_type):
-            raise TypeError(f"{self.name} transport cannot submit to {peer!r}")
+        peer = self._admit(peer, notice, self.peer_type)
         if peer.closed:
             raise TransportClosed(f"peer {peer.name} is closed")
         self.check_sources(plan)

@@ -24,6 +24,7 @@ import socket
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable
 from typing import Any, ClassVar, Protocol, TypeVar
 
@@ -47,12 +48,13 @@ from kvhandoff.transport.handshake_auth import (
     refusal,
 )
 from kvhandoff.transport.tcp_io import recv_exact, recv_header
-from kvhandoff.transport.tcp_wire import Header, Kind
+from kvhandoff.transport.tcp_wire import HEADER, Header, Kind
 from kvhandoff.transport.throttle import Throttle
 
 log = logging.getLogger("kvhandoff.transport")
 
 P = TypeVar("P", bound="WorkerPeer")
+R = TypeVar("R", bound="InFlight")
 
 JOIN_S = 5.0
 """How long ``close`` waits for each worker thread (they exit once their socket is shut)."""
@@ -312,6 +314,18 @@ class Tracked(Protocol):
     handle: Handle
 
 
+class InFlight(Protocol):
+    """A request awaiting its reply, as :meth:`WorkerPeer._read_replies` reads it."""
+
+    @property
+    def seq(self) -> int:
+        """The frame number its reply echoes."""
+
+    @property
+    def sent_at(self) -> float | None:
+        """When it went out (monotonic); None while it has not."""
+
+
 class WorkerPeer(Peer):
     """A peer whose transfers run on worker threads (``self._threads``, started by the
     subclass). Thread-safe.
@@ -354,6 +368,28 @@ class WorkerPeer(Peer):
     def _forget(self, item: Tracked) -> None:
         with self._lock:
             self._pending.discard(item)
+
+    def _read_replies(self, sock: socket.socket, inflight: deque[R], io_timeout: float,
+                      on_reply: Callable[[R, Header, str], None]) -> None:
+        """A reader thread's loop, until the peer fails: every REPLY on ``sock`` answers
+        the oldest request in ``inflight`` (the sender appends, only this loop pops),
+        which is popped and handed to ``on_reply(request, header, message)``.
+        ``ProtocolError`` for a reply to any other frame; ``PeerLost`` when the oldest
+        request waits more than ``io_timeout`` (see :func:`recv_reply`)."""
+        buf = bytearray(HEADER.size)
+
+        def oldest() -> float | None:
+            return inflight[0].sent_at if inflight else None
+
+        while self._error is None:
+            got = recv_reply(sock, buf, self.name, oldest, io_timeout)
+            if got is None:
+                continue
+            h, message = got
+            if not inflight or inflight[0].seq != h.seq:
+                raise ProtocolError(f"{self.name} replied to frame {h.seq}, which is not the "
+                                    f"oldest in flight")
+            on_reply(inflight.popleft(), h, message)
 
     def _guard(self, loop: Callable[..., None], *args: Any) -> None:
         """Run a worker loop; turn whatever ends it into a lost peer (never raise)."""
@@ -449,12 +485,9 @@ class ServedTransport(Transport):
         return peer
 
     def submit(self, peer: Peer, plan: Plan, *, notice: bytes | None = None) -> Handle:
-        self._check_open()
-        self._check_notice(notice)
-        if not isinstance(peer, self.peer_type):
-            raise TypeError(f"{self.name} transport cannot submit to {peer!r}")
+        worker = self._admit(peer, notice, self.peer_type)
         self.check_sources(plan)
-        return peer.submit(plan)
+        return worker.submit(plan)
 
     def _close(self) -> None:
         with self._lock:

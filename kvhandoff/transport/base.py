@@ -76,7 +76,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import ClassVar, NamedTuple, Self
+from typing import ClassVar, NamedTuple, Self, TypeVar
 
 import numpy as np
 
@@ -296,6 +296,9 @@ class Peer(abc.ABC):
         return f"<{type(self).__name__} {self.name}{' closed' if self.closed else ''}>"
 
 
+PeerT = TypeVar("PeerT", bound=Peer)
+
+
 class Transport(abc.ABC):
     """Base of every transport; see the module docstring for the contract.
 
@@ -387,6 +390,16 @@ class Transport(abc.ABC):
         if not self.capabilities.notices:
             raise ValueError(f"{self.name} transport does not deliver notices")
         self._notice_handler = handler
+
+    def _admit(self, peer: Peer, notice: bytes | None, peer_type: type[PeerT]) -> PeerT:
+        """The checks every ``submit`` starts with: the transport is open (else
+        ``TransportClosed``), ``notice`` is one it can carry (else ``ValueError``) and
+        ``peer`` is one of its own (else ``TypeError``). Returns ``peer`` as its type."""
+        self._check_open()
+        self._check_notice(notice)
+        if not isinstance(peer, peer_type):
+            raise TypeError(f"{self.name} transport cannot submit to {peer!r}")
+        return peer
 
     def _check_notice(self, notice: bytes | None) -> None:
         """``ValueError`` unless ``notice`` is None or one this transport can carry."""

@@ -84,10 +84,7 @@ class MemoryTransport(Transport):
         return MemoryPeer(peer_endpoint, target)
 
     def submit(self, peer: Peer, plan: Plan, *, notice: bytes | None = None) -> Handle:
-        self._check_open()
-        self._check_notice(notice)
-        if not isinstance(peer, MemoryPeer):
-            raise TypeError(f"memory transport cannot submit to {peer!r}")
+        peer = self._admit(peer, notice, MemoryPeer)
         if peer.closed:
             raise TransportClosed(f"peer {peer.name} is closed")
         self.check_sources(plan)

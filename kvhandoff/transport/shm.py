@@ -50,7 +50,6 @@ from kvhandoff.transport._served import (
     ServedTransport,
     WorkerPeer,
     prove,
-    recv_reply,
     shut,
 )
 from kvhandoff.transport.base import Availability, Capabilities, Handle, TransferState
@@ -209,24 +208,14 @@ class ShmPeer(WorkerPeer):
                 f.result()  # bounded: a memory copy; re-raises a worker's error
 
     def _read_loop(self) -> None:
-        buf = bytearray(HEADER.size)
+        self._read_replies(self._sock, self._inflight, self._io_timeout, self._on_reply)
 
-        def oldest() -> float | None:
-            return self._inflight[0].sent_at if self._inflight else None
-
-        while self._error is None:
-            got = recv_reply(self._sock, buf, self.name, oldest, self._io_timeout)
-            if got is None:
-                continue
-            h, message = got
-            if not self._inflight or self._inflight[0].seq != h.seq:
-                raise ProtocolError(f"{self.name} sent an unexpected reply (seq {h.seq})")
-            job = self._inflight.popleft()
-            if h.code == Status.OK:
-                job.handle.set_done()
-            else:
-                job.handle.set_failed(reply_error(h.code, message, self.name))
-            self._forget(job)
+    def _on_reply(self, job: _Job, h: Header, message: str) -> None:
+        if h.code == Status.OK:
+            job.handle.set_done()
+        else:
+            job.handle.set_failed(reply_error(h.code, message, self.name))
+        self._forget(job)
 
     def _wake(self) -> None:
         shut(self._sock)

@@ -86,7 +86,6 @@ from kvhandoff.transport._served import (
     ThreadedServer,
     WorkerPeer,
     prove,
-    recv_reply,
     shut,
 )
 from kvhandoff.transport.base import Handle, Peer, TransferState
@@ -446,7 +445,7 @@ class _Sent:
     seq: int
     job: _Job
     slot: int  # -1: a CHECK
-    at: float = field(default_factory=time.monotonic)
+    sent_at: float = field(default_factory=time.monotonic)
 
 
 Write = Callable[[Peer, int, int, int], Handle]
@@ -611,31 +610,20 @@ class StagingLink(WorkerPeer):
     # --- reader thread --------------------------------------------------------------
 
     def _read_loop(self) -> None:
-        buf = bytearray(HEADER.size)
+        self._read_replies(self._sock, self._sent, self._io_timeout, self._on_reply)
 
-        def oldest() -> float | None:
-            return self._sent[0].at if self._sent else None
-
-        while self._error is None:
-            got = recv_reply(self._sock, buf, self.name, oldest, self._io_timeout)
-            if got is None:
-                continue
-            h, message = got
-            if not self._sent or self._sent[0].seq != h.seq:
-                raise ProtocolError(f"{self.name} replied to message {h.seq}, which is not "
-                                    f"the oldest in flight")
-            sent = self._sent.popleft()
-            if sent.slot >= 0:
-                self._free.put(sent.slot)
-            job = sent.job
-            if h.code != Status.OK:
-                job.fail(reply_error(h.code, message, self._peer.name))
+    def _on_reply(self, sent: _Sent, h: Header, message: str) -> None:
+        if sent.slot >= 0:
+            self._free.put(sent.slot)
+        job = sent.job
+        if h.code != Status.OK:
+            job.fail(reply_error(h.code, message, self._peer.name))
+            self._forget(job)
+        elif sent.slot >= 0:
+            job.remaining -= 1
+            if job.remaining == 0:
+                job.handle.set_done()
                 self._forget(job)
-            elif sent.slot >= 0:
-                job.remaining -= 1
-                if job.remaining == 0:
-                    job.handle.set_done()
-                    self._forget(job)
 
     # --- failure and close ----------------------------------------------------------
 

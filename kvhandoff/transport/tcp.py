@@ -134,16 +134,13 @@ class TcpTransport(ServedTransport):
         """Small plans (a tiny handoff) take the pure-Python path of :mod:`tcp_small`:
         one frame, written by this thread when a connection is idle. A notice rides in
         the plan's only frame, or follows its frames once all were acknowledged."""
-        self._check_open()
-        self._check_notice(notice)
-        if not isinstance(peer, TcpPeer):
-            raise TypeError(f"{self.name} transport cannot submit to {peer!r}")
+        tcp_peer = self._admit(peer, notice, TcpPeer)
         small = tcp_small.build(plan, self.local, self.name,
                                 min(self._frame_bytes, MAX_BYTES))
         if small is not None:
-            return peer.submit_small(small, notice)
+            return tcp_peer.submit_small(small, notice)
         self.check_sources(plan)
-        return peer.submit(plan, notice)
+        return tcp_peer.submit(plan, notice)
 
     def connect(self, peer_endpoint: bytes) -> TcpPeer:
         """Dial ``connections`` sockets to the endpoint, each authenticated both ways

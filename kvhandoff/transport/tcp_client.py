@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvhandoff.plan.model import Plan
-from kvhandoff.transport._served import WorkerPeer, prove, recv_reply, shut
+from kvhandoff.transport._served import WorkerPeer, prove, shut
 from kvhandoff.transport.base import Handle, TransferState
 from kvhandoff.transport.errors import (
     ConnectError,
@@ -55,7 +55,6 @@ from kvhandoff.transport.tcp_small import SmallFrame
 from kvhandoff.transport.tcp_wire import (
     FLAG_CHECK,
     FLAG_NOTICE,
-    HEADER,
     NO_RECORDS,
     Header,
     Kind,
@@ -290,30 +289,19 @@ class TcpPeer(WorkerPeer):
                 frame.sent_at = time.monotonic()
 
     def _read_loop(self, conn: _Conn) -> None:
-        buf = bytearray(HEADER.size)
+        self._read_replies(conn.sock, conn.inflight, self._io_timeout, self._on_reply)
 
-        def oldest() -> float | None:
-            return conn.inflight[0].sent_at if conn.inflight else None
-
-        while self._error is None:
-            got = recv_reply(conn.sock, buf, self.name, oldest, self._io_timeout)
-            if got is None:
-                continue
-            h, message = got
-            if not conn.inflight or conn.inflight[0].seq != h.seq:
-                raise ProtocolError(f"{self.name} replied to frame {h.seq}, which is not the "
-                                    f"oldest in flight")
-            frame = conn.inflight.popleft()
-            transfer = frame.transfer
-            if h.code != Status.OK:
-                self._finish(transfer, reply_error(h.code, message, self.name))
-            elif frame.check:
-                self._queue_data(transfer)  # the receiver accepted the whole plan
-            elif transfer.frame_acked():
-                if transfer.notice is not None:
-                    self._queue_notice(transfer)  # every data frame landed
-                else:
-                    self._finish(transfer, None)
+    def _on_reply(self, frame: _Frame, h: Header, message: str) -> None:
+        transfer = frame.transfer
+        if h.code != Status.OK:
+            self._finish(transfer, reply_error(h.code, message, self.name))
+        elif frame.check:
+            self._queue_data(transfer)  # the receiver accepted the whole plan
+        elif transfer.frame_acked():
+            if transfer.notice is not None:
+                self._queue_notice(transfer)  # every data frame landed
+            else:
+                self._finish(transfer, None)
 
     # --- failure and close -----------------------------------------------------------
 

@@ -21,8 +21,9 @@ import socket
 import numpy as np
 import numpy.typing as npt
 
+from kvhandoff.plan.runs import runs
 from kvhandoff.transport.regions import U8, RegionTable
-from kvhandoff.transport.tcp_io import recv_exact, recv_views, runs, send_views, slices
+from kvhandoff.transport.tcp_io import recv_exact, recv_views, send_views, slices
 from kvhandoff.transport.tcp_plan import Chunk
 from kvhandoff.transport.tcp_wire import Records
 from kvhandoff.transport.views import as_rows, piece_view, take_into, unit_contiguous
@@ -70,7 +71,8 @@ def _segments(idx: I64, unit: int, off: int, length: int, count: int, stride: in
         seg = length
     else:
         return None
-    s, n = runs(starts, seg)
+    first, merged = runs(starts, step=seg)  # segments that touch end to start merge
+    s, n = starts[first], merged * seg
     if len(n) and int(n.sum()) // len(n) >= IOV_MIN:
         return s, n
     return None

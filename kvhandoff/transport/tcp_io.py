@@ -106,17 +106,6 @@ def drain(sock: socket.socket, nbytes: int, scratch: memoryview) -> None:
         nbytes -= len(part)
 
 
-def runs(starts: I64, length: int) -> tuple[I64, I64]:
-    """Merge equal-length segments at ``starts`` that touch end to start.
-    Returns (run starts, run lengths)."""
-    if len(starts) < 2:
-        return starts, np.full(len(starts), length, dtype=np.int64)
-    brk = np.flatnonzero(starts[1:] != starts[:-1] + length) + 1
-    first = np.concatenate(([0], brk))
-    sizes = np.diff(np.concatenate((first, [len(starts)]))) * length
-    return starts[first], sizes.astype(np.int64)
-
-
 def slices(mv: memoryview, starts: I64, sizes: I64) -> list[memoryview]:
     """Memoryviews ``mv[s:s+n]`` for every run."""
     return [mv[s:s + n] for s, n in zip(starts.tolist(), sizes.tolist(), strict=True)]

@@ -16,6 +16,7 @@ import numpy.typing as npt
 from numpy.lib.stride_tricks import as_strided
 
 from kvhandoff.plan.model import TensorPlan
+from kvhandoff.plan.runs import runs
 from kvhandoff.transport.regions import U8, RegionTable
 
 I64 = npt.NDArray[np.int64]
@@ -48,17 +49,6 @@ go through a cache-sized temporary in batches (two copies, but both in cache, an
 numpy call per batch instead of one Python call per unit)."""
 
 TMP_BYTES = 512 << 10
-
-
-def _joint_runs(s_starts: I64, d_starts: I64, size: int) -> tuple[I64, I64, I64]:
-    """Merge consecutive units contiguous on both sides: (src starts, dst starts, sizes)."""
-    if len(s_starts) < 2:
-        return s_starts, d_starts, np.full(len(s_starts), size, np.int64)
-    brk = np.flatnonzero((s_starts[1:] != s_starts[:-1] + size)
-                         | (d_starts[1:] != d_starts[:-1] + size)) + 1
-    first = np.concatenate(([0], brk))
-    sizes = np.diff(np.concatenate((first, [len(s_starts)]))) * size
-    return s_starts[first], d_starts[first], sizes.astype(np.int64)
 
 
 def is_range(idx: I64) -> bool:
@@ -133,8 +123,9 @@ def copy_entry(e: TensorPlan, src: RegionTable, dst: RegionTable) -> int:
             continue
         b = ln * cnt
         if unit_contiguous(cnt, ss, ln) and unit_contiguous(cnt, ds, ln):
-            s0, d0, sizes = _joint_runs(e.src_idx * e.src_unit + so, e.dst_idx * e.dst_unit + do,
-                                        b)
+            s_at, d_at = e.src_idx * e.src_unit + so, e.dst_idx * e.dst_unit + do
+            first, units = runs(s_at, d_at, step=b)  # units contiguous on both sides merge
+            s0, d0, sizes = s_at[first], d_at[first], units * b
             if int(sizes.sum()) >= RUN_MIN * len(sizes):
                 for a, c, n in zip(s0.tolist(), d0.tolist(), sizes.tolist(), strict=True):
                     d_buf[c:c + n] = s_buf[a:a + n]

@@ -46,6 +46,7 @@ import torch
 
 from kvhandoff.integrations.vllm.layout import TensorInfo
 from kvhandoff.layout import MemoryKind
+from kvhandoff.plan.runs import runs as coalesce
 from kvhandoff.session.config import SessionConfig
 from kvhandoff.session.secret import data_key
 from kvhandoff.transport.base import Transport
@@ -135,13 +136,9 @@ def mirror_view(t: torch.Tensor, storage: torch.UntypedStorage) -> torch.Tensor:
 
 def runs(blocks: Sequence[int]) -> list[tuple[int, int]]:
     """Distinct block ids as ``(first, count)`` runs of consecutive ids, ascending."""
-    out: list[tuple[int, int]] = []
-    for b in sorted(set(blocks)):
-        if out and out[-1][0] + out[-1][1] == b:
-            out[-1] = (out[-1][0], out[-1][1] + 1)
-        else:
-            out.append((b, 1))
-    return out
+    ids = np.unique(np.asarray(blocks, dtype=np.int64))
+    first, count = coalesce(ids)
+    return list(zip(ids[first].tolist(), count.tolist(), strict=True))
 
 
 class HostStaging:
