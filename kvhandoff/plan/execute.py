@@ -11,9 +11,9 @@ import bisect
 from collections.abc import Iterable
 
 import numpy as np
-from numpy.lib.stride_tricks import as_strided
 
 from kvhandoff.errors import OutOfBounds
+from kvhandoff.memory import piece_view
 from kvhandoff.plan.model import Plan, TensorPlan
 
 
@@ -71,15 +71,7 @@ def execute(plan: Plan, src: HostMemory, dst: HostMemory) -> int:
 
 def _entry(e: TensorPlan, s_buf: np.ndarray, d_buf: np.ndarray) -> int:
     for so, do, ln, cnt, ss, ds in e.pieces.tolist():
-        s_view = _strided(s_buf, so, e.src_unit, cnt, ss, ln)
-        d_view = _strided(d_buf, do, e.dst_unit, cnt, ds, ln)
+        s_view = piece_view(s_buf, so, e.src_unit, cnt, ss, ln)
+        d_view = piece_view(d_buf, do, e.dst_unit, cnt, ds, ln)
         d_view[e.dst_idx] = s_view[e.src_idx]
     return e.nbytes
-
-
-def _strided(buf: np.ndarray, off: int, unit: int, count: int, stride: int, length: int
-             ) -> np.ndarray:
-    span = (count - 1) * stride + length
-    units = (len(buf) - off - span) // unit + 1 if len(buf) >= off + span else 0
-    return as_strided(buf[off:], shape=(units, count, length), strides=(unit, stride, 1),
-                      writeable=True)

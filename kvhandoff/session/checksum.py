@@ -17,8 +17,8 @@ import zlib
 from typing import Literal
 
 import numpy as np
-from numpy.lib.stride_tricks import as_strided
 
+from kvhandoff.memory import piece_view
 from kvhandoff.plan.model import Plan, TensorPlan
 from kvhandoff.session.memory import U8, TensorViews
 
@@ -55,10 +55,7 @@ def _entry_crc(e: TensorPlan, buf: U8, side: str, crc: int) -> int:
         off, stride = (so, ss) if src else (do, ds)
         if not ln or not cnt:
             continue
-        span = (cnt - 1) * stride + ln
-        units = (len(buf) - off - span) // unit + 1 if len(buf) >= off + span else 0
-        view = as_strided(buf[off:], shape=(units, cnt, ln), strides=(unit, stride, 1),
-                          writeable=False)
+        view = piece_view(buf, off, unit, cnt, stride, ln, writeable=False)
         step = max(1, _BATCH_BYTES // (cnt * ln))
         for i in range(0, len(idx), step):
             crc = zlib.crc32(np.ascontiguousarray(view[idx[i:i + step]]).data, crc)

@@ -4,22 +4,13 @@ move it."""
 
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 import numpy.typing as npt
 
 from kvhandoff.layout import Layout, MemoryKind, TensorSpec
+from kvhandoff.memory import raw_view
 
 U8 = npt.NDArray[np.uint8]
-
-
-def host_view(ptr: int, nbytes: int) -> U8:
-    """A writable uint8 view of ``nbytes`` host bytes at ``ptr``. The caller keeps the
-    memory alive (a Layout's owner does, for as long as the agent runs)."""
-    if nbytes <= 0:
-        return np.zeros(0, np.uint8)
-    return np.ctypeslib.as_array((ctypes.c_ubyte * nbytes).from_address(ptr))
 
 
 class TensorViews:
@@ -33,7 +24,7 @@ class TensorViews:
         for c in layout.components:
             for t in c.tensors:
                 if t.nbytes and t.memory is MemoryKind.HOST:
-                    self._by_ptr[t.ptr] = host_view(t.ptr, t.nbytes)
+                    self._by_ptr[t.ptr] = raw_view(t.ptr, t.nbytes)
 
     def get(self, ptr: int) -> U8 | None:
         return self._by_ptr.get(ptr)

@@ -82,13 +82,14 @@ import numpy as np
 
 from kvhandoff.errors import OutOfBounds
 from kvhandoff.layout import Layout, MemoryKind, Region, TensorSpec
+from kvhandoff.memory import raw_view
 from kvhandoff.plan.model import Plan
 from kvhandoff.transport.errors import (
     TransferCancelled,
     TransportClosed,
     TransportError,
 )
-from kvhandoff.transport.regions import U8, RegionTable, plan_side_problem, raw_view
+from kvhandoff.transport.regions import U8, RegionTable, plan_side_problem
 from kvhandoff.transport.small import plan_views
 
 log = logging.getLogger("kvhandoff.transport")

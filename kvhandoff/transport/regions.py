@@ -15,7 +15,6 @@ of the index array, with Python integers (no int64 overflow on hostile input).
 from __future__ import annotations
 
 import bisect
-import ctypes
 import itertools
 from collections.abc import Iterable
 from typing import NamedTuple
@@ -29,13 +28,6 @@ from kvhandoff.plan.model import Plan
 
 U8 = npt.NDArray[np.uint8]
 I64 = npt.NDArray[np.int64]
-
-
-def raw_view(ptr: int, nbytes: int) -> U8:
-    """A writable uint8 view of ``nbytes`` host bytes at ``ptr`` (the caller keeps them alive)."""
-    if nbytes <= 0:
-        return np.zeros(0, np.uint8)
-    return np.ctypeslib.as_array((ctypes.c_ubyte * nbytes).from_address(ptr))
 
 
 _FEW_IDX = 32

@@ -80,6 +80,7 @@ from typing import Any
 import numpy as np
 
 from kvhandoff.layout import MemoryKind, Region
+from kvhandoff.memory import piece_view
 from kvhandoff.plan.model import Plan
 from kvhandoff.transport._served import (
     MAX_PER_HOST,
@@ -109,7 +110,7 @@ from kvhandoff.transport.tcp_wire import (
     Status,
     reply_error,
 )
-from kvhandoff.transport.views import as_rows, piece_view, take_into, unit_contiguous
+from kvhandoff.transport.views import as_rows, take_into, unit_contiguous
 
 log = logging.getLogger("kvhandoff.transport")
 

@@ -21,12 +21,13 @@ import socket
 import numpy as np
 import numpy.typing as npt
 
+from kvhandoff.memory import piece_view
 from kvhandoff.plan.runs import runs
 from kvhandoff.transport.regions import U8, RegionTable
 from kvhandoff.transport.tcp_io import recv_exact, recv_views, send_views, slices
 from kvhandoff.transport.tcp_plan import Chunk
 from kvhandoff.transport.tcp_wire import Records
-from kvhandoff.transport.views import as_rows, piece_view, take_into, unit_contiguous
+from kvhandoff.transport.views import as_rows, take_into, unit_contiguous
 
 I64 = npt.NDArray[np.int64]
 

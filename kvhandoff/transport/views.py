@@ -13,29 +13,13 @@ from dataclasses import replace
 
 import numpy as np
 import numpy.typing as npt
-from numpy.lib.stride_tricks import as_strided
 
+from kvhandoff.memory import piece_view
 from kvhandoff.plan.model import TensorPlan
 from kvhandoff.plan.runs import runs
 from kvhandoff.transport.regions import U8, RegionTable
 
 I64 = npt.NDArray[np.int64]
-
-
-def piece_view(buf: U8, off: int, unit: int, count: int, stride: int, length: int) -> U8:
-    """``(units, count, length)`` view of ``buf`` (which starts at the tensor's ptr).
-
-    ``units`` is however many whole units fit; callers validated their indices first.
-    A zero ``unit`` (one unit addressed repeatedly) yields a single-unit view."""
-    span = (count - 1) * stride + length if count else 0
-    if len(buf) < off + span:
-        units = 0
-    elif unit == 0:
-        units = 1
-    else:
-        units = (len(buf) - off - span) // unit + 1
-    return as_strided(buf[off:], shape=(units, count, length), strides=(unit, stride, 1),
-                      writeable=True)
 
 
 def unit_contiguous(count: int, stride: int, length: int) -> bool:

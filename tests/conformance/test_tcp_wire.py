@@ -11,6 +11,7 @@ import pytest
 from kvh_conformance import Pair, settle, thread_count
 
 from kvhandoff.layout import Region
+from kvhandoff.memory import raw_view
 from kvhandoff.plan.execute import HostMemory, execute
 from kvhandoff.plan.model import Plan, TensorPlan
 from kvhandoff.transport import ProtocolError, TransferState
@@ -21,7 +22,7 @@ from kvhandoff.transport.handshake_auth import (
     ClientHandshake,
     HandshakeFailed,
 )
-from kvhandoff.transport.regions import RegionTable, raw_view
+from kvhandoff.transport.regions import RegionTable
 from kvhandoff.transport.tcp import TcpTransport
 from kvhandoff.transport.tcp_data import Sink
 from kvhandoff.transport.tcp_plan import split

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from kvhandoff.layout import Region
-from kvhandoff.transport.regions import RegionTable, Span, piece_span, raw_view
+from kvhandoff.memory import raw_view
+from kvhandoff.transport.regions import RegionTable, Span, piece_span
 
 
 def _block(ptr: int, n: int) -> tuple[Region, np.ndarray]:

@@ -38,12 +38,12 @@ import numpy as np
 
 from kvhandoff.integrations.vllm.requests import RecvReq, SendReq, StepMeta
 from kvhandoff.layout import Layout, MemoryKind
+from kvhandoff.memory import raw_view
 from kvhandoff.observe import timeline as tl
 from kvhandoff.session.agent import Agent
 from kvhandoff.session.aux import AuxSpec
 from kvhandoff.session.config import SessionConfig
 from kvhandoff.session.errors import HandshakeError
-from kvhandoff.session.memory import host_view
 from kvhandoff.session.receiver import Receiver
 from kvhandoff.session.sender import Sender
 from kvhandoff.session.status import Status
@@ -356,7 +356,7 @@ def block_bytes(layout: Layout, name: str, blocks: list[int]) -> np.ndarray[Any,
 def _read(ptr: int, nbytes: int, memory: MemoryKind, device: int) -> np.ndarray[Any, Any]:
     """A copy of ``nbytes`` at ``ptr`` (a host view when the memory is the host's)."""
     if memory is MemoryKind.HOST:
-        return host_view(ptr, nbytes)
+        return raw_view(ptr, nbytes)
     import torch
 
     ref = SimpleNamespace(__cuda_array_interface__={  # how torch reads a device pointer
