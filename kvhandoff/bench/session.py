@@ -16,8 +16,12 @@ Runs over loopback tcp by default (``--transport`` picks another).
 * **metrics overhead** — the same tiny handoffs with the agents' Prometheus metrics on
   and off (``SessionConfig.metrics``), in alternating blocks: the ratio of the p50s.
   Goal: ≤ 1.02×.
-* **throughput** — 64 such requests at once, repeated: handoffs/s, next to the raw tcp
-  transport's requests/s for the same 64 plans (submitted together, waited together).
+* **throughput** — 64, 256 and 1,024 such requests at once, repeated: handoffs/s, next to
+  the raw tcp transport's requests/s for the same plans (submitted together, waited
+  together), rounds alternating between the two; the ratio of the medians and how the
+  rate scales with the number of requests in flight (the plot's middle panel). Goal at
+  64: ≥ 0.8× raw. Each side builds its requests' index lists before the clock starts,
+  as the raw side builds its plans: an engine already holds them.
 * **big** — one hybrid request of ~64 MiB (16 layers: 12 GDN with their SSM/conv state,
   4 attention layers of KV) in one chunk: session handoff time next to the bare
   transport time for the same plan, alternating (each session handoff is followed by a
@@ -69,7 +73,8 @@ from kvhandoff.transport import Peer, TransferState, Transport, create_transport
 
 DEFAULT_JSON = Path("benchmarks") / "results" / "session.json"
 TIMEOUT = 120.0
-CONCURRENT = 64
+CONCURRENT = 64  # the headline point (``throughput``)
+CONCURRENCY = (CONCURRENT, 256, 1024)  # the scaling curve (``scaling``)
 
 
 def tiny_shape() -> shapes.ModelShape:
@@ -225,11 +230,11 @@ def _prefill_rounds(conn: Connection, agent: Agent, raw: Transport, peer: Peer,
                     plans: list[Plan], case: Case, src: Layout, dst: Layout, n: int,
                     rounds: int) -> None:
     """Each round on the parent's signal: n requests at once, then the raw n plans."""
+    reqs = [_request(case, src, dst, i) for i in range(n)]  # the engine holds these
     for r in range(rounds):
         conn.recv()  # go
         senders = []
-        for i in range(n):
-            req = _request(case, src, dst, i)
+        for i, req in enumerate(reqs):
             s = Sender(agent, r * n + i)
             s.init(len(req["kv"].src), int(req["aux"].src[0]))
             _send_all(s, req, src)  # queued until decode's indices arrive
@@ -260,9 +265,11 @@ def _decode(conn: Connection, url: str, transport: str, in_band: bool, secret_fi
             raw.register(lay)
             conn.send(raw.endpoint())
             if _kind(phase) == "throughput":
+                # the engine holds its requests' index lists: built before the clock
+                reqs = [_request(case, lay, lay, i) for i in range(n)]
                 for r in range(rounds):
                     conn.recv()  # go
-                    conn.send(_decode_round(agent, url, case, lay, n, r))
+                    conn.send(_decode_round(agent, url, reqs, lay, r))
             else:
                 conn.send(_decode_one_by_one(agent, url, case, lay, n))
             conn.recv()  # prefill is done: close
@@ -287,11 +294,12 @@ def _decode_one_by_one(agent: Agent, url: str, case: Case, lay: Layout, n: int
     return starts, ends
 
 
-def _decode_round(agent: Agent, url: str, case: Case, lay: Layout, n: int, r: int) -> float:
+def _decode_round(agent: Agent, url: str, reqs: list[dict[str, Any]], lay: Layout, r: int
+                  ) -> float:
+    n = len(reqs)
     t = time.perf_counter()
     recvs = []
-    for i in range(n):
-        req = _request(case, lay, lay, i)
+    for i, req in enumerate(reqs):
         x = Receiver(agent, url, r * n + i)
         x.init(_dst_lists(req, lay), int(req["aux"].dst[0]))
         recvs.append(x)
@@ -369,8 +377,8 @@ def run(quick: bool, transport: str = "tcp", in_band: bool = True, *, auth: bool
         only_auth: bool = False) -> dict[str, Any]:
     n_lat = 200 if quick else 2000
     rounds = 5 if quick else 30
-    tiny = Case("tiny", "tiny", page=16, tokens=16, pages=CONCURRENT + 2,
-                slots=CONCURRENT + 2)
+    most = max(CONCURRENCY)
+    tiny = Case("tiny", "tiny", page=16, tokens=16, pages=most + 2, slots=most + 2)
     big = Case("big", "big", page=64, tokens=13_000, pages=208, slots=2)
     out: dict[str, Any] = {"machine": platform.platform(), "python": sys.version.split()[0],
                            "cpus": os.cpu_count(), "transport": transport, "quick": quick,
@@ -399,13 +407,9 @@ def run(quick: bool, transport: str = "tcp", in_band: bool = True, *, auth: bool
                               "session_overhead_p50_ms": hand["p50_ms"] - raw_lat["p50_ms"],
                               "bytes": _plan_bytes(tiny)}
             out["metrics_overhead"] = _metrics_overhead(pair, tiny, n_lat // 2, skip)
-            thr = pair.run("throughput", tiny, CONCURRENT, rounds)
-            sess = thr["decode"][1:] or thr["decode"]
-            out["throughput"] = {
-                "concurrent": CONCURRENT, "rounds": len(sess),
-                "handoffs_per_s": CONCURRENT / statistics.median(sess),
-                "raw_transport_requests_per_s": CONCURRENT / statistics.median(thr["raw"]),
-                "failures": thr["failures"]}
+            out["scaling"] = [_throughput(pair, tiny, n, max(3, rounds * CONCURRENT // n))
+                              for n in CONCURRENCY]
+            out["throughput"] = out["scaling"][0]
             reps = 8 if quick else 40
             bg = pair.run("big", big, reps)
             t0s, (_, ends) = bg["prefill"], bg["decode"]
@@ -420,6 +424,18 @@ def run(quick: bool, transport: str = "tcp", in_band: bool = True, *, auth: bool
         finally:
             pair.close()
     return out
+
+
+def _throughput(pair: Pair, case: Case, n: int, rounds: int) -> dict[str, Any]:
+    """``n`` tiny requests at once, ``rounds`` times (the first a warm-up), each round
+    followed by the raw transport moving the same ``n`` plans: both rates and their
+    ratio (of the medians)."""
+    thr = pair.run("throughput", case, n, rounds + 1)
+    sess, raw = thr["decode"][1:], thr["raw"][1:]
+    rate, raw_rate = n / statistics.median(sess), n / statistics.median(raw)
+    return {"concurrent": n, "rounds": len(sess), "handoffs_per_s": rate,
+            "raw_transport_requests_per_s": raw_rate, "ratio": rate / raw_rate,
+            "failures": thr["failures"]}
 
 
 def _auth_overhead(pair: Pair, tiny: Case, big: Case, n: int, reps: int, blocks: int = 4
@@ -486,10 +502,21 @@ def _plot(res: dict[str, Any], path: Path) -> None:
     ax[0].set_ylabel("ms")
     ax[0].set_title(f"tiny request latency ({lat['bytes']} B)")
     ax[0].legend()
-    thr = res["throughput"]
-    ax[1].bar(["session handoffs/s", "raw transport req/s"],
-              [thr["handoffs_per_s"], thr["raw_transport_requests_per_s"]])
-    ax[1].set_title(f"{thr['concurrent']} concurrent tiny requests")
+    pts = res["scaling"]
+    ns = [p["concurrent"] for p in pts]
+    ax[1].plot(ns, [p["handoffs_per_s"] for p in pts], "o-", label="kvhandoff handoffs/s")
+    ax[1].plot(ns, [p["raw_transport_requests_per_s"] for p in pts], "s--",
+               label="raw transport requests/s")
+    for p in pts:
+        ax[1].annotate(f"{p['ratio']:.2f}x", (p["concurrent"], p["handoffs_per_s"]),
+                       textcoords="offset points", xytext=(0, -14), ha="center", fontsize=8)
+    ax[1].set_xscale("log", base=2)
+    ax[1].set_xticks(ns, [str(n) for n in ns])
+    ax[1].set_ylim(bottom=0)
+    ax[1].set_xlabel("tiny requests in flight")
+    ax[1].set_ylabel("requests/s")
+    ax[1].set_title("concurrent tiny requests (same run)")
+    ax[1].legend()
     big = res["big"]
     ax[2].bar(["session", "bare transport"],
               [big["session_ms"]["p50_ms"], big["raw_transport_ms"]["p50_ms"]])
@@ -542,8 +569,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{'met' if mo['ratio'] <= 1.02 else 'NOT met'}]")
     print(f"tiny round trip: p50 {lat['round_trip']['p50_ms']:.3f} ms, "
           f"p99 {lat['round_trip']['p99_ms']:.3f} ms")
-    print(f"{thr['concurrent']} concurrent: {thr['handoffs_per_s']:.0f} handoffs/s vs raw "
-          f"transport {thr['raw_transport_requests_per_s']:.0f} requests/s")
+    for p in res["scaling"]:
+        verdict = (f"  [goal >= 0.8x: {'met' if p['ratio'] >= 0.8 else 'NOT met'}]"
+                   if p is thr else "")
+        print(f"{p['concurrent']} concurrent: {p['handoffs_per_s']:.0f} handoffs/s vs raw "
+              f"transport {p['raw_transport_requests_per_s']:.0f} requests/s = "
+              f"{p['ratio']:.2f}x{verdict}")
     print(f"big ({big['bytes'] / 2**20:.1f} MiB): session p50 {big['session_ms']['p50_ms']:.1f} "
           f"ms vs bare transport {big['raw_transport_ms']['p50_ms']:.1f} ms = "
           f"{big['ratio']:.2f}x [goal <= 1.1x: {'met' if big['ratio'] <= 1.1 else 'NOT met'}]; "

@@ -380,14 +380,14 @@ class Agent:
             self._desk.groups.refuse(endpoint, reason)
 
     def _on_tick(self, now: float) -> None:
-        if isinstance(self._desk, PrefillDesk):
-            self._desk.on_tick(now)
         live = self.live()
         for r in live:
             r.on_tick(now)
-        watched: set[str] = set()
+        watched: set[str] = set()  # one pass (one lock each) per tick: serves both users
         for r in live:
             watched |= r.peer_endpoints()
+        if isinstance(self._desk, PrefillDesk):
+            self._desk.on_tick(now, watched)
         ping, lost = self._watch.tick(watched, now)
         for ep in ping:
             self.post(ep, Heartbeat(seq=self._watch.next_seq(), sender=self.endpoint))

@@ -443,10 +443,11 @@ class PrefillDesk:
 
     # --- timers, lost peers, closing --------------------------------------------------------
 
-    def on_tick(self, now: float) -> None:
+    def on_tick(self, now: float, in_use: set[str]) -> None:
         """Forget expired tombstones and indices no Sender came for, and drop decode
         ranks idle for ``PEER_IDLE_S`` (on a worker: closing one joins its threads)
-        (I/O thread)."""
+        (I/O thread). ``in_use``: the peer endpoints of the live Senders, which the agent
+        has just gathered for its heartbeats (so the tick takes each Sender's lock once)."""
         limit = self._host.config.indices_timeout
         with self._lock:
             for table in (self._tombstones, self._early):
@@ -457,11 +458,8 @@ class PrefillDesk:
             for rid in [k for k in self._claims if k not in self.senders
                         and k not in self._inits]:
                 del self._claims[rid]  # indices that expired or were dropped
-            live = [*self.senders.values()]
             busy = {ep for entries in self._inits.values() for ep, _, _ in entries}
-        for sender in live:
-            busy |= sender.peer_endpoints()
-        for ep in self.peers.idle(now, busy):
+        for ep in self.peers.idle(now, busy | in_use):
             self._host.spawn(functools.partial(self._drop_idle, ep))
 
     def _drop_idle(self, endpoint: str) -> None:

@@ -286,6 +286,10 @@ class Receiver(RequestSide):
             return self._core.peer_endpoints()
 
     def on_tick(self, now: float) -> None:
+        # every live request is ticked every few ms: one that has no timer due (nearly
+        # all) is passed over without its lock (tick_due is safe without it)
+        if not self._core.tick_due(now):
+            return
         with self._lock:
             g = self._group
             connecting = g is None or g.state is GroupState.CONNECTING

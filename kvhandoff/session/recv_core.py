@@ -335,6 +335,24 @@ class RecvCore(CoreBase):
         self._release("the agent closed; no write can be waited for any more")
         return self._take()
 
+    def tick_due(self, now: float) -> bool:
+        """Whether :meth:`tick` may have anything to do at ``now``. Safe without the
+        shell's lock: it reads the last progress time, then the status, then the guard
+        wait, in that order; an older progress time or an earlier status only makes the
+        answer True more often, and a guard wait read after the status is as fresh as
+        the status, so a stale answer is at worst a True that :meth:`tick` then finds has
+        nothing to do."""
+        changed = self._changed  # first: see the docstring
+        state = self.status
+        cfg = self.config
+        if state is Status.BOOTSTRAPPING:  # its limit is never below bootstrap_timeout
+            return now - self.created > cfg.bootstrap_timeout
+        if state is Status.WAITING_FOR_INPUT:
+            return now - changed > cfg.waiting_timeout
+        if state is Status.TRANSFERRING:
+            return self._guard_since is not None or now - changed > cfg.transfer_timeout
+        return state is not Status.SUCCESS  # FAILED: the release deadline
+
     def tick(self, now: float, connecting: bool) -> list[object]:
         """Timers; ``connecting``: the group is still being found and handshaken."""
         cfg, state = self.config, self.status

@@ -279,6 +279,14 @@ class SendCore(CoreBase):
                                 f"to handshake again and resend its indices: {reason}"))
         return self._take()
 
+    def tick_due(self, now: float) -> bool:
+        """Whether :meth:`tick` may have anything to do at ``now``. Safe without the
+        shell's lock: it reads only the status, which never returns to BOOTSTRAPPING, and
+        the creation time, so a stale answer is at worst a True that :meth:`tick` then
+        finds has nothing to do."""
+        return self.status is Status.BOOTSTRAPPING and \
+            now - self.created > self.facts.config.indices_timeout
+
     def tick(self, now: float) -> list[object]:
         limit = self.facts.config.indices_timeout
         if self.status is Status.BOOTSTRAPPING and now - self.created > limit:

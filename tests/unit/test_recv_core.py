@@ -352,6 +352,17 @@ def test_timeouts_in_each_state() -> None:
     assert f"still waiting for {GROUP[1].rank}" in str(core.error)
 
 
+def test_a_tick_knows_without_the_lock_whether_anything_is_due() -> None:
+    core, sh = new()
+    assert not core.tick_due(T0 + 9) and core.tick_due(T0 + 11)
+    core, sh = asked()
+    assert not core.tick_due(T0 + 19) and core.tick_due(T0 + 21)
+    sh.do(core.chunk_status(GROUP[0].endpoint, status(), T0 + 5))
+    assert not core.tick_due(T0 + 34) and core.tick_due(T0 + 36)
+    sh.do(core.chunk_status(GROUP[1].endpoint, status(rank=1), T0 + 6))
+    assert core.status is Status.SUCCESS and not core.tick_due(T0 + 1e6)
+
+
 def test_a_lost_or_refusing_prefill_rank_fails_the_request() -> None:
     core, sh = asked()
     assert sh.do(core.peer_lost("tcp://stranger", "gone", T0)) == []
@@ -480,6 +491,10 @@ def test_any_event_order_keeps_the_promises(names: list[str], checksum: bool,
         before = len(sh.seen)
         was_terminal, was = core.terminal, core.status
         _step(core, sh, name, T0 + i, checksum)
+        for dt in (0.5, 11.0, 21.0, 31.0, 1e4):  # the shell skips a tick only when idle
+            now = T0 + i + dt
+            assert core.tick_due(now) or (core.tick(now, True) == [] and
+                                          core.tick(now, False) == [])
         new_ = sh.seen[before:]
         fails += sum(isinstance(e, Fail) for e in new_)
         if was_terminal:  # a final status never changes; no indices, no abort go out

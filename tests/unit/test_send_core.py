@@ -409,6 +409,14 @@ def test_waiting_too_long_for_indices_times_out() -> None:
     assert "got 0 of ? TransferInits; init() was never called" in str(core.error)
 
 
+def test_a_tick_knows_without_the_lock_whether_anything_is_due() -> None:
+    core, sh = new()
+    assert not core.tick_due(104.0) and core.tick_due(106.0)
+    core, sh = ready()
+    assert not core.tick_due(1e9)  # past bootstrapping: no timer of its own
+    assert sh.do(core.tick(1e9)) == []
+
+
 def test_a_lost_decode_rank_fails_the_request_only_if_it_matters() -> None:
     core, sh = ready()
     assert sh.do(core.peer_lost("tcp://someone-else", "gone")) == []
@@ -506,6 +514,8 @@ def test_any_event_order_keeps_the_promises(names: list[str], drain: bool) -> No
         before = len(sh.seen)
         was_terminal, was = core.terminal, core.status
         _step(core, sh, name, i)
+        for now in (100.0 + i, 1e9):  # the shell skips a tick only when nothing is due
+            assert core.tick_due(now) or core.tick(now) == []
         new = sh.seen[before:]
         fails += sum(isinstance(e, Fail) for e in new)
         if was_terminal:  # a final status never changes; nothing new is written
