@@ -15,27 +15,14 @@ the threads and — on prefill — registers the rank with the bootstrap server 
 retries with backoff; :class:`BootstrapFailed` if it cannot). A decode agent finds prefill
 ranks lazily, per bootstrap address, when the first Receiver needs them.
 
-One agent, two parts. The agent itself is role-neutral: transport, control socket,
-threads, heartbeats and lost peers, and the :class:`~kvhandoff.session.host.RankHost`
-its requests see. A role is a desk: :class:`~kvhandoff.session.prefill_desk.PrefillDesk`
+One agent, two parts. The agent itself is role-neutral: its transport, control socket
+and threads (:mod:`~kvhandoff.session.rank_io`, also on the deployment secret),
+heartbeats and lost peers (:mod:`~kvhandoff.session.heartbeats`), and the
+:class:`~kvhandoff.session.host.RankHost` its requests see. A role is a desk, which takes
+every control message but heartbeats: :class:`~kvhandoff.session.prefill_desk.PrefillDesk`
 (bootstrap registration, decode peers, Senders) or
-:class:`~kvhandoff.session.decode_desk.DecodeDesk` (prefill groups, Receivers). The agent
-answers heartbeats itself and hands every other control message to its desk.
-
-Threads (all named ``kvh-*``): the control I/O thread (messages, timers, heartbeats;
-:mod:`~kvhandoff.session.control`), the completion thread (deadlines and polling of
-transfer handles, whose completions mostly arrive as done-callbacks on the transport's
-own threads; :mod:`~kvhandoff.session.completion`) and ``config.workers`` worker
-threads for blocking jobs (bootstrap lookups, handshakes, checksum checks), plus the
-transport's own.
-
-Authentication: with ``config.secret_file`` set, the agent loads the deployment secret
-(a :class:`~kvhandoff.session.secret.SecretError` names what is wrong with the file, at
-construction) and its control channel signs and checks every message with the secret's
-control key (:mod:`~kvhandoff.session.control_auth`); its peers must hold the same
-secret. Without one it speaks plain messages, as on a loopback development host. A
-decode rank whose handshake reaches a prefill rank that does not hold the same secret
-fails that handshake at once, saying so (see :meth:`handshake`).
+:class:`~kvhandoff.session.decode_desk.DecodeDesk` (prefill groups, Receivers). A decode
+rank whose handshake reaches a prefill rank without the same secret fails it at once.
 
 Thread-safety: every public method may be called from any thread. Internally the agent
 lock and the desk's lock guard only their own tables and are never held while calling
@@ -46,42 +33,31 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 from typing import Self
 
 from kvhandoff.layout import Layout
-from kvhandoff.observe.report import Reporter, process_metrics, serve_process_metrics
+from kvhandoff.observe.report import Reporter, process_metrics
 from kvhandoff.observe.trace import TraceWriter
-from kvhandoff.protocol import (
-    ErrorReply,
-    Heartbeat,
-    HeartbeatAck,
-    Message,
-    RankId,
-    RequestId,
-    TransferStatus,
-)
-from kvhandoff.session.completion import Callback, Completions
+from kvhandoff.protocol import ErrorReply, Message, RankId, TransferStatus
+from kvhandoff.session.completion import Callback
 from kvhandoff.session.components import Components
 from kvhandoff.session.config import SessionConfig
 from kvhandoff.session.control import ControlChannel, Origin
 from kvhandoff.session.decode_desk import DecodeDesk
 from kvhandoff.session.errors import AgentClosed, SessionError
 from kvhandoff.session.groups import GroupState, PrefillGroups
+from kvhandoff.session.heartbeats import Heartbeats
 from kvhandoff.session.host import Backlog, Request
 from kvhandoff.session.host import Role as Role  # re-exported: its historical home
 from kvhandoff.session.memory import TensorViews
 from kvhandoff.session.peers import DecodePeer, DecodePeers
 from kvhandoff.session.prefill_desk import PrefillDesk
+from kvhandoff.session.rank_io import RankIO
 from kvhandoff.session.receiver import Receiver
-from kvhandoff.session.secret import PURPOSE_CONTROL, Secret, data_key
 from kvhandoff.session.sender import Sender
-from kvhandoff.session.watch import PeerWatch
 from kvhandoff.transport.base import Handle, Transport
-from kvhandoff.transport.registry import create_transport
 
 log = logging.getLogger("kvhandoff.session.agent")
 
@@ -109,23 +85,17 @@ class Agent:
         self._lock = threading.Lock()
         self._closed = False
         self._stop = threading.Event()
-        self._watch = PeerWatch(interval=self.config.heartbeat_interval,
-                                timeout=self.config.heartbeat_timeout)
-        self._owns_transport = own_transport or transport is None
-        self._transport: Transport | None = None
-        self._pool: ThreadPoolExecutor | None = None
-        self._completions: Completions | None = None
-        self._control: ControlChannel | None = None
+        self._beats = Heartbeats(self.config, name=self.name, post=self.post)
+        self._io: RankIO | None = None
         self._desk: PrefillDesk | DecodeDesk | None = None
-        metrics = process_metrics()
+        metrics, cfg = process_metrics(), self.config
         metrics.watch(self)
         self._live = metrics.live.labels(self.role.value)
-        self._report = Reporter(role=self.role.value, transport=self.config.transport,
-                                rank=self.name, metrics=metrics if self.config.metrics else None,
-                                trace=TraceWriter(self.config.trace) if self.config.trace
-                                else None)
+        self._report = Reporter(role=self.role.value, transport=cfg.transport, rank=self.name,
+                                metrics=metrics if cfg.metrics else None,
+                                trace=TraceWriter(cfg.trace) if cfg.trace else None)
         try:
-            self._start(transport, dp_rank, dp_size)
+            self._start(transport, own_transport, dp_rank, dp_size)
         except BaseException:
             self.close()
             raise
@@ -145,57 +115,38 @@ class Agent:
         return cls(layout, role=Role.DECODE, dp_rank=dp_rank, dp_size=dp_size, config=config,
                    transport=transport, own_transport=own_transport)
 
-    def _start(self, transport: Transport | None, dp_rank: int, dp_size: int) -> None:
-        cfg = self.config
-        # first: a secret file that cannot be used stops the agent before anything starts
-        key = Secret.load(cfg.secret_file).key(PURPOSE_CONTROL) if cfg.secret_file else None
-        if cfg.metrics_port >= 0:
-            serve_process_metrics(cfg.metrics_port, cfg.host)
-        data_secret = data_key(cfg.secret_file)
-        t = transport if transport is not None else create_transport(  # options may override
-            cfg.transport, **{"data_secret": data_secret, **cfg.transport_options})
-        self._transport = t
-        t.register(self.layout)
-        transport_endpoint = t.endpoint()  # after registering: the endpoint may carry it
-        self._pool = ThreadPoolExecutor(cfg.workers, thread_name_prefix=f"kvh-work-{self.name}")
-        self._completions = Completions(t, timeout=cfg.transfer_timeout, name=self.name)
-        self._control = ControlChannel(
-            host=cfg.host, port=cfg.port, dial_host=cfg.dial_host, on_message=self._on_message,
-            on_tick=self._on_tick, on_undeliverable=self._on_undeliverable, tick=cfg.tick,
-            name=self.name, key=key, on_unauthenticated=self._on_unauthenticated)
-        lay = self.layout
+    def _start(self, transport: Transport | None, own_transport: bool, dp_rank: int,
+               dp_size: int) -> None:
+        beats, cfg, lay = self._beats, self.config, self.layout
+        self._io = io = RankIO(
+            lay, cfg, name=self.name, transport=transport, own_transport=own_transport,
+            on_message=self._on_message, on_tick=lambda now: beats.tick(now, self._desk),
+            on_undeliverable=lambda ep, why: beats.peer_lost(ep, why, self._desk),
+            on_unauthenticated=self._on_unauthenticated)
+        beats.control = io.control
         self.rank_id = RankId(instance=cfg.instance, dp_rank=dp_rank, tp_rank=lay.tp_rank,
                               tp_size=lay.tp_size, pp_rank=lay.pp_rank, pp_size=lay.pp_size)
         if self.role is Role.PREFILL:
             assert self._bootstrap_url is not None
-            desk = PrefillDesk(self, self._control, name=self.name)
+            desk = PrefillDesk(self, io.control, name=self.name)
             self._desk = desk
-            desk.register(self._bootstrap_url, dp_rank, dp_size, self._probe)
+            desk.register(self._bootstrap_url, dp_rank, dp_size, beats.probe)
         else:
-            self._desk = DecodeDesk(self, name=self.name, control_endpoint=self._control.endpoint,
-                                    transport_endpoint=transport_endpoint, stop=self._stop)
-
-    def _probe(self, endpoint: str, timeout: float) -> bool:
-        """Whether a control endpoint answers a Heartbeat within ``timeout`` seconds."""
-        try:
-            return self._watch.probe(
-                lambda seq: self.post(endpoint, Heartbeat(seq=seq, sender=self.endpoint)), timeout)
-        finally:
-            assert self._control is not None
-            self._control.forget(endpoint)
+            self._desk = DecodeDesk(self, name=self.name, control_endpoint=io.control.endpoint,
+                                    transport_endpoint=io.transport_endpoint, stop=self._stop)
 
     # --- public surface --------------------------------------------------------------
 
     @property
     def transport(self) -> Transport:
-        assert self._transport is not None
-        return self._transport
+        assert self._io is not None
+        return self._io.transport
 
     @property
     def endpoint(self) -> str:
         """This agent's control endpoint (``tcp://host:port``)."""
-        assert self._control is not None
-        return self._control.endpoint
+        assert self._io is not None
+        return self._io.control.endpoint
 
     @property
     def closed(self) -> bool:
@@ -227,18 +178,17 @@ class Agent:
     def stats(self) -> dict[str, int]:
         desk = self._desk
         out = dict.fromkeys(("received", "sent", "malformed", "unauthenticated"), 0)
-        out.update(self._control.stats if self._control is not None else {})
+        out.update(self._io.control.stats if self._io is not None else {})
         out["live_requests"] = self.live_requests
         out["decode_peers"] = len(desk.peers) if isinstance(desk, PrefillDesk) else 0
         out["in_band_statuses"] = desk.in_band if isinstance(desk, DecodeDesk) else 0
         out["prefill_peers"] = sum(len(g.ranks) for g in desk.groups.groups()
                                    if g.state is GroupState.READY) \
             if isinstance(desk, DecodeDesk) else 0
-        out["suspect_peers"] = self._watch.suspects  # a write to them was lost; being probed
+        out["suspect_peers"] = self._beats.watch.suspects  # a write to them was lost; being probed
         # request-scoped messages from an endpoint that is not that request's peer
         out["not_request_peer"] = desk.not_request_peer if desk is not None else 0
-        t = self._transport
-        out["staging_slots"] = t.staging_slots_in_use if t is not None else 0
+        out["staging_slots"] = self.transport.staging_slots_in_use if self._io else 0
         return out
 
     def close(self) -> None:
@@ -254,16 +204,12 @@ class Agent:
             r.on_agent_closed()
         if isinstance(desk, PrefillDesk):
             desk.leave()
-        if self._completions is not None:
-            self._completions.close()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-        if self._control is not None:
-            self._control.close()
+        if self._io is not None:
+            self._io.stop()
         if desk is not None:
             desk.close()
-        if self._transport is not None and self._owns_transport:
-            self._transport.close()
+        if self._io is not None:
+            self._io.close_transport()
 
     def __enter__(self) -> Self:
         return self
@@ -273,7 +219,7 @@ class Agent:
         self.close()
 
     def __repr__(self) -> str:
-        ep = self._control.endpoint if self._control is not None else "?"
+        ep = self._io.control.endpoint if self._io is not None else "?"
         return f"<Agent {self.role.value} {self.name} {ep}{' closed' if self._closed else ''}>"
 
     # --- the RankHost its requests see (any thread; see session/host.py) ----------------
@@ -300,26 +246,16 @@ class Agent:
 
     def post(self, endpoint: str, msg: Message) -> None:
         """Queue a control message, unless ``endpoint`` was recently declared lost."""
-        if self._watch.is_lost(endpoint) or self._control is None:
-            return
-        self._control.send(endpoint, msg)
+        if self._io is not None and not self._beats.watch.is_lost(endpoint):
+            self._io.control.send(endpoint, msg)
 
     def track(self, handle: Handle, callback: Callback) -> None:
-        assert self._completions is not None
-        self._completions.track(handle, callback)
+        assert self._io is not None
+        self._io.track(handle, callback)
 
     def spawn(self, job: Callable[[], None]) -> None:
-        def run() -> None:
-            try:
-                job()
-            except Exception:
-                log.exception("agent %s: background job failed", self.name)
-        if self._pool is None:
-            return
-        try:
-            self._pool.submit(run)
-        except RuntimeError:  # the pool is shut down: the agent is closing
-            log.debug("agent %s closing; job dropped", self.name)
+        if self._io is not None:
+            self._io.spawn(job)
 
     def notice(self, peer: DecodePeer, status: TransferStatus) -> bytes | None:
         return self._desk.notice(peer, status) if isinstance(self._desk, PrefillDesk) else None
@@ -330,77 +266,35 @@ class Agent:
         probed by heartbeat until it answers, or is declared lost and dropped."""
         with self._lock:
             if not self._closed:
-                self._watch.suspect(peer.endpoint)
+                self._beats.watch.suspect(peer.endpoint)
 
-    # --- the old private tables, still read by testing/netns.py and fault tests --------
+    # --- the old private attributes, still read by tests --------------------------------
+
+    @property
+    def _control(self) -> ControlChannel | None:
+        return self._io.control if self._io is not None else None
 
     @property
     def _peers(self) -> DecodePeers | None:
         return self._desk.peers if isinstance(self._desk, PrefillDesk) else None
 
-    @property
-    def _senders(self) -> dict[RequestId, Sender]:
-        return self._desk.senders if isinstance(self._desk, PrefillDesk) else {}
-
-    @property
-    def _receivers(self) -> dict[RequestId, Receiver]:
-        return self._desk.receivers if isinstance(self._desk, DecodeDesk) else {}
-
     # --- control messages and timers (I/O thread) ----------------------------------------
 
     def _on_message(self, origin: Origin, msg: Message) -> None:
-        now = time.monotonic()
-        if origin.endpoint is not None:
-            self._watch.heard(origin.endpoint, now)
-        assert self._control is not None
-        match msg:
-            case Heartbeat():
-                self._control.reply(origin, HeartbeatAck(seq=msg.seq, sender=self.endpoint))
-            case HeartbeatAck():
-                self._watch.acked(origin.endpoint, msg.seq)
-            case ErrorReply():  # never answered: two agents must not trade errors forever
-                log.warning("agent %s: %s answered with an error: %s", self.name, origin,
-                            msg.reason[:500])
-                if self._desk is not None:
-                    self._desk.on_message(origin, msg)
-            case _:
-                if self._desk is None or not self._desk.on_message(origin, msg):
-                    self._control.reply(origin, ErrorReply(
-                        reason=f"a {self.role.value} agent does not accept {type(msg).__name__}"
-                               + ("" if origin.endpoint else " from an unnamed client"),
-                        request_id=getattr(msg, "request_id", None)))
-
-    def _on_undeliverable(self, endpoint: str, reason: str) -> None:
-        self._peer_lost(endpoint, reason)
+        if self._beats.on_message(origin, msg):
+            return
+        if isinstance(msg, ErrorReply):  # never answered: agents must not trade errors forever
+            log.warning("agent %s: %s answered with an error: %s", self.name, origin,
+                        msg.reason[:500])
+        taken = self._desk is not None and self._desk.on_message(origin, msg)
+        if not (taken or isinstance(msg, ErrorReply)) and self._io is not None:
+            self._io.control.reply(origin, ErrorReply(
+                reason=f"a {self.role.value} agent does not accept {type(msg).__name__}"
+                       + ("" if origin.endpoint else " from an unnamed client"),
+                request_id=getattr(msg, "request_id", None)))
 
     def _on_unauthenticated(self, endpoint: str, reason: str) -> None:
         """A peer we dialed answered with something that failed authentication (it does
         not hold our secret): a handshake waiting for it fails now, with ``reason``."""
         if isinstance(self._desk, DecodeDesk):
             self._desk.groups.refuse(endpoint, reason)
-
-    def _on_tick(self, now: float) -> None:
-        live = self.live()
-        for r in live:
-            r.on_tick(now)
-        watched: set[str] = set()  # one pass (one lock each) per tick: serves both users
-        for r in live:
-            watched |= r.peer_endpoints()
-        if isinstance(self._desk, PrefillDesk):
-            self._desk.on_tick(now, watched)
-        ping, lost = self._watch.tick(watched, now)
-        for ep in ping:
-            self.post(ep, Heartbeat(seq=self._watch.next_seq(), sender=self.endpoint))
-        for ep, quiet in lost:
-            self._peer_lost(ep, f"peer {ep} silent for {quiet:.1f} s (heartbeat_timeout "
-                                f"{self.config.heartbeat_timeout:g} s)")
-
-    def _peer_lost(self, endpoint: str, reason: str) -> None:
-        log.warning("agent %s: %s", self.name, reason)
-        self._watch.lost(endpoint, time.monotonic())
-        for r in self.live():
-            r.on_peer_lost(endpoint, reason)
-        if self._desk is not None:
-            self._desk.peer_lost(endpoint, reason)
-        if self._control is not None:
-            self._control.forget(endpoint)

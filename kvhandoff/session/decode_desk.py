@@ -47,12 +47,12 @@ from kvhandoff.protocol import (
     TransferStatus,
     layout_to_msg,
 )
+from kvhandoff.session.backlog import MAX_REASON
 from kvhandoff.session.control import Origin
 from kvhandoff.session.errors import AgentClosed, BootstrapFailed, SessionError
 from kvhandoff.session.groups import GroupState, PrefillGroups
 from kvhandoff.session.host import NO_BACKLOG, Backlog, RankHost, Request
 from kvhandoff.session.notices import NoticeRouter
-from kvhandoff.session.prefill_desk import MAX_REASON
 from kvhandoff.session.receiver import Receiver, bootstrap_url
 from kvhandoff.transport.throttle import Throttle
 

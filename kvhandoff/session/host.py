@@ -11,6 +11,12 @@ protocols, so imports run one way only, and a request can be driven by a fake ho
     sender ──> send_core ──┐
     receiver ─> recv_core ─┴─> request_core  (request_side uses it too)
 
+Around them, each one idea and none importing back up::
+
+    agent ──> heartbeats ──> prefill_desk, decode_desk   (the tick, pings, lost peers)
+      └─────> rank_io        (transport, control channel, threads)
+    prefill_desk ──> claims ──> backlog <── decode_desk  (who may abort; what waits)
+
 Each shell (``sender``, ``receiver``) holds the request's lock and does the I/O; its
 core (``send_core``, ``recv_core``, sharing ``request_core``) decides, with no host, no
 lock, no clock and no socket: events in, effects out.

@@ -20,8 +20,14 @@ import threading
 import weakref
 from collections.abc import Callable
 
-from kvhandoff.protocol import ProtocolError, StatusNotice, decode_notice
-from kvhandoff.transport.base import Transport
+from kvhandoff.protocol import (
+    ProtocolError,
+    StatusNotice,
+    TransferStatus,
+    decode_notice,
+    encode_notice,
+)
+from kvhandoff.transport.base import MAX_NOTICE, Transport
 
 log = logging.getLogger("kvhandoff.session.notices")
 
@@ -29,6 +35,17 @@ Handler = Callable[[StatusNotice], None]
 
 _routers: weakref.WeakKeyDictionary[Transport, NoticeRouter] = weakref.WeakKeyDictionary()
 _routers_lock = threading.Lock()
+
+
+def in_band(status: TransferStatus, *, to: str, sender: str, transport: Transport,
+            accepted: bool) -> bytes | None:
+    """``status`` as the in-band notice of its chunk's writes to the decode rank at
+    ``to`` (which ``accepted`` notices at handshake), from the prefill rank at ``sender``;
+    None when it goes over the control socket (no notices, or too long for one)."""
+    if not (accepted and transport.capabilities.notices):
+        return None
+    data = encode_notice(StatusNotice(to=to, sender=sender, status=status))
+    return data if len(data) <= MAX_NOTICE else None
 
 
 class NoticeRouter:

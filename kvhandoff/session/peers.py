@@ -234,6 +234,13 @@ class DecodePeers:
             return [ep for ep, t in self._used.items()
                     if now - t > PEER_IDLE_S and ep not in busy and ep in self._peers]
 
+    def drop_idle(self, endpoint: str) -> None:
+        """Drop a rank nothing used for ``PEER_IDLE_S``, if it still is one (it handshakes
+        again if it comes back). Closing its transport peer joins threads: a worker's job."""
+        why = f"decode rank at {endpoint} idle for over {PEER_IDLE_S:g} s (PEER_IDLE_S)"
+        if self.drop(endpoint, reason=why) is not None:
+            log.info("%s; dropped (it handshakes again if it comes back)", why)
+
     def _reject(self, problem: str) -> HelloReject:
         return HelloReject(protocol_version=PROTOCOL_VERSION, rank=self._rank,
                            problems=(problem,))

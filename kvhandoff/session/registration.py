@@ -5,7 +5,8 @@ refuses because the slot is held by a record that differs only in its control en
 (the same rank, restarted), that endpoint is probed by heartbeat: a silent one is a
 crashed process, whose record is removed before a second try; one that answers is a
 live rank configured as this one, and registration fails, saying so. Blocking; the
-agent calls it once, while starting, and :func:`deregister_rank` once, while closing.
+agent calls it once, while starting, and :func:`deregister_rank` once, while closing;
+a :class:`Registration` pairs the two, for the record :func:`prefill_record` builds.
 
 With ``SessionConfig.secret_file`` set, every request is signed with the deployment
 secret's bootstrap key (:func:`bootstrap_key`); the takeover of a dead rank's slot then
@@ -18,6 +19,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from kvhandoff.layout import Layout
+from kvhandoff.observe.report import metrics_url
 from kvhandoff.session.bootstrap_client import (
     BootstrapError,
     BootstrapRejected,
@@ -34,6 +37,18 @@ from kvhandoff.session.secret import PURPOSE_BOOTSTRAP, Secret, SecretError
 log = logging.getLogger("kvhandoff.session.agent")  # the agent's voice: one logger per agent
 
 Probe = Callable[[str, float], bool]  # does this control endpoint answer within the timeout?
+
+
+def prefill_record(config: SessionConfig, layout: Layout, *, dp_rank: int, dp_size: int,
+                   control_endpoint: str, transport: str) -> RankRecord:
+    """The record a prefill rank registers. Beyond the rank it publishes where its
+    process serves its metrics, when it does (for ``kvhandoff status``)."""
+    url = metrics_url(config.dial_host)
+    return RankRecord(instance=config.instance, dp_size=dp_size, dp_rank=dp_rank,
+                      tp_size=layout.tp_size, tp_rank=layout.tp_rank, pp_size=layout.pp_size,
+                      pp_rank=layout.pp_rank, control_endpoint=control_endpoint,
+                      transport=transport, model_signature=layout.model_signature,
+                      metadata={"metrics": url} if url else {})
 
 
 def register_rank(url: str, rec: RankRecord, *, config: SessionConfig, probe: Probe,
@@ -83,6 +98,29 @@ def deregister_rank(url: str, rec: RankRecord, *, config: SessionConfig) -> None
     except SecretError as e:
         raise BootstrapRejected(f"deregister {rec.where()}: {e}", status=None) from e
     deregister(url, rec, retries=1, timeout=2.0, key=key)
+
+
+class Registration:
+    """A rank's registration at the bootstrap server ``url``: made by :meth:`make`,
+    removed by :meth:`leave` at most once (a failure then is only logged)."""
+
+    def __init__(self, url: str, rec: RankRecord, *, config: SessionConfig) -> None:
+        self._url, self._config = url, config
+        self._rec: RankRecord | None = rec
+
+    @classmethod
+    def make(cls, url: str, rec: RankRecord, *, config: SessionConfig, probe: Probe,
+             what: str) -> Registration:
+        register_rank(url, rec, config=config, probe=probe, what=what)
+        return cls(url, rec, config=config)
+
+    def leave(self) -> None:
+        rec, self._rec = self._rec, None
+        if rec is not None:
+            try:
+                deregister_rank(self._url, rec, config=self._config)
+            except BootstrapError as e:
+                log.warning("deregistering %s failed: %s", rec.where(), e)
 
 
 def bootstrap_key(config: SessionConfig) -> bytes | None:

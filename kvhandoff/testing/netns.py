@@ -30,7 +30,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from kvhandoff.session import Receiver, Sender
 from kvhandoff.testing.handoff import Scenario
 from kvhandoff.testing.sides import _Side
 
@@ -205,9 +204,7 @@ def _announce(side: _Side, states: tuple[str, ...]) -> None:
     said: set[str] = set()
     for _ in range(20_000):  # ~100 s at most
         for a in list(side.agents):
-            with a._lock:
-                live: list[Sender | Receiver] = [*a._senders.values(), *a._receivers.values()]
-            for r in live:
+            for r in a.live():
                 st = r.poll().value
                 if st in states and st not in said:
                     said.add(st)

@@ -249,7 +249,7 @@ def test_a_captured_frame_cannot_be_replayed(arig: Rig,
                   identity=arig.decode.endpoint) as imp:
         imp.dealer.send(inits[0])  # and from a new connection
         assert eventually(lambda: arig.prefill.stats["unauthenticated"] == before + 2)
-    assert rp.rid not in desk._inits and rp.rid not in desk.senders  # nothing buffered
+    assert rp.rid not in desk.backlog.inits and rp.rid not in desk.senders  # nothing buffered
     _route_back(arig.decode, arig.prefill)
     third = arig.plan(3, block=2)
     arig.handoff(third)
@@ -305,7 +305,7 @@ def test_an_authenticated_stranger_cannot_abort_or_report_on_anothers_request(
         other.post(arig.prefill.endpoint, Abort(request_id=later.rid, rank=rank,
                                                 reason="poisoned in advance"))
         assert eventually(lambda: arig.prefill.stats["not_request_peer"] == 2)
-        assert later.rid not in _desk(arig)._early  # no tombstone for a future id
+        assert later.rid not in _desk(arig).backlog.early  # no tombstone for a future id
         rogue.post(arig.decode.endpoint, TransferStatus(
             request_id=rp.rid, rank=rogue.rank_id, chunk=0, last=True,
             outcome=Outcome.FAILED, reason="forged by a secret holder"))
@@ -336,7 +336,7 @@ def test_a_second_set_of_indices_fails_the_request_on_both_sides(
     if s is not None:
         assert eventually(lambda: s.status is Status.WAITING_FOR_INPUT)
     else:
-        assert eventually(lambda: rp.rid in _desk(arig)._inits)
+        assert eventually(lambda: rp.rid in _desk(arig).backlog.inits)
     good = arig.receiver(rp)
     for r in (bad, good):
         assert r.wait(10) is Status.FAILED
@@ -355,16 +355,16 @@ def test_a_second_set_of_indices_fails_the_request_on_both_sides(
 def test_an_abort_reason_from_the_requests_peer_is_bounded(arig: Rig) -> None:
     """The real decode aborts a request whose indices wait for a Sender, with a 2 MiB
     reason: the tombstone keeps a bounded reason, and the Sender fails on arrival."""
-    from kvhandoff.session import prefill_desk
+    from kvhandoff.session import backlog
 
     rp = arig.plan(2, block=1)
     r = arig.receiver(rp)
     desk = _desk(arig)
-    assert eventually(lambda: rp.rid in desk._inits)
+    assert eventually(lambda: rp.rid in desk.backlog.inits)
     r.abort("z" * (2 << 20))
-    assert eventually(lambda: rp.rid in desk._early)
-    assert len(desk._early[rp.rid].reason) <= prefill_desk.MAX_REASON
-    assert rp.rid not in desk._inits
+    assert eventually(lambda: rp.rid in desk.backlog.early)
+    assert len(desk.backlog.early[rp.rid].reason) <= backlog.MAX_REASON
+    assert rp.rid not in desk.backlog.inits
     s = arig.sender(rp)[0]
     assert s.wait(10) is Status.FAILED and "aborted by decode" in str(s.reason)
     assert r.wait_released(10)

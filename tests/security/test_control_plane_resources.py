@@ -27,7 +27,7 @@ from kvhandoff.protocol import (
     decode_message,
     encode_message,
 )
-from kvhandoff.session import Sender, Status, groups, peers, prefill_desk
+from kvhandoff.session import Sender, Status, backlog, groups, peers
 from kvhandoff.session.bootstrap import BootstrapServer
 from kvhandoff.session.chunks import KvCursor
 from kvhandoff.session.prefill_desk import PrefillDesk
@@ -140,22 +140,22 @@ def test_aborts_from_strangers_are_answered_on_their_connection_never_dialed(
 
 def test_a_flood_of_aborts_cannot_evict_a_real_tombstone(
         rig: Rig, ctx: zmq.Context[zmq.Socket[bytes]], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(prefill_desk, "_MAX_TOMBSTONES", 8)
-    monkeypatch.setattr(prefill_desk, "MAX_EARLY_ABORTS", 8, raising=False)
+    monkeypatch.setattr(backlog, "MAX_TOMBSTONES", 8)
+    monkeypatch.setattr(backlog, "MAX_EARLY_ABORTS", 8)
     first = rig.plan(1)
     rig.handoff(first)
     doomed = Sender(rig.prefill, 500)
     doomed.abort("the engine gave up")
     desk = _desk(rig)
     assert doomed.wait(5) is Status.FAILED
-    assert eventually(lambda: 500 in desk._tombstones)
+    assert eventually(lambda: 500 in desk.backlog.tombstones)
     rank = hello_as(rig.decode, control_endpoint="", transport_endpoint=b"").rank
     with Impostor(rig.prefill.endpoint, ctx=ctx) as imp:  # it answers on either path
         for rid in range(1000, 1100):
             imp.send(Abort(request_id=rid, rank=rank, reason="sweep"))
         assert all(isinstance(imp.answer(5.0), AbortAck) for _ in range(100))
-    assert 500 in desk._tombstones  # before the fix: evicted by the sweep
-    assert len(desk._tombstones) <= 8 and len(desk._early) <= 8
+    assert 500 in desk.backlog.tombstones  # before the fix: evicted by the sweep
+    assert len(desk.backlog.tombstones) <= 8 and len(desk.backlog.early) <= 8
     second = rig.plan(2, block=2)
     rig.handoff(second)
     assert exact(rig, [first, second]) == []
@@ -164,7 +164,7 @@ def test_a_flood_of_aborts_cannot_evict_a_real_tombstone(
 def test_buffered_indices_ids_and_reasons_are_bounded(
         rig: Rig, ctx: zmq.Context[zmq.Socket[bytes]], attacker_tcp: Transport,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(prefill_desk, "MAX_INIT_BYTES", 64 << 10, raising=False)
+    monkeypatch.setattr(backlog, "MAX_INIT_BYTES", 64 << 10)
     first = rig.plan(1)
     rig.handoff(first)
     desk = _desk(rig)
@@ -182,7 +182,7 @@ def test_buffered_indices_ids_and_reasons_are_bounded(
         refused = imp.answer()
         assert isinstance(refused, ErrorReply) and "MAX_INIT_BYTES" in refused.reason
         assert refused.request_id == 7001
-        assert len(desk._inits[7000]) == 1 and 7001 not in desk._inits
+        assert len(desk.backlog.inits[7000]) == 1 and 7001 not in desk.backlog.inits
         imp.send(init("x" * (2 << 20), 8))  # a 2 MiB request id
         big = imp.answer()
         assert isinstance(big, ErrorReply) and "request id of" in big.reason
@@ -192,8 +192,8 @@ def test_buffered_indices_ids_and_reasons_are_bounded(
         imp.send(init(7002, 8))  # indices first: only the request's own peer may abort it
         imp.send(Abort(request_id=7002, rank=rank, reason="z" * (2 << 20)))
         assert isinstance(imp.answer(), AbortAck)
-        tomb = desk._early[7002]
-        assert len(tomb.reason) <= prefill_desk.MAX_REASON
+        tomb = desk.backlog.early[7002]
+        assert len(tomb.reason) <= backlog.MAX_REASON
     finally:
         imp.close()
     second = rig.plan(2, block=2)
