@@ -12,9 +12,46 @@ enough for a debug log on every request (``str(plan)`` is this too)::
 
 from __future__ import annotations
 
+from collections.abc import Sequence, Sized
 from dataclasses import dataclass
+from typing import Protocol
 
-from kvhandoff.plan.model import Plan
+
+class _Entry(Protocol):
+    """What the formatter reads of one :class:`~kvhandoff.plan.model.TensorPlan`."""
+
+    @property
+    def component(self) -> str: ...
+    @property
+    def layer_id(self) -> int: ...
+    @property
+    def src_idx(self) -> Sized: ...
+    @property
+    def pieces(self) -> Sized: ...
+    @property
+    def nbytes(self) -> int: ...
+
+
+class _Plan(Protocol):
+    """What the formatter reads of a :class:`~kvhandoff.plan.model.Plan` (a protocol, so
+    this module imports nothing of the planner and ``Plan.__str__`` can call it)."""
+
+    @property
+    def entries(self) -> Sequence[_Entry]: ...
+    @property
+    def src_tp_rank(self) -> int: ...
+    @property
+    def dst_tp_rank(self) -> int: ...
+    @property
+    def notes(self) -> Sequence[str]: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def num_units(self) -> int: ...
+    @property
+    def num_pieces(self) -> int: ...
+    @property
+    def num_segments(self) -> int: ...
 
 
 def human_size(n: float) -> str:
@@ -46,7 +83,7 @@ class _Component:
         self.high = layer if self.high is None else max(self.high, layer)
 
 
-def format_plan(plan: Plan) -> str:
+def format_plan(plan: _Plan) -> str:
     """``plan`` in a few lines: the source → destination TP ranks and totals, then per
     component (in plan order) its entries, units, bytes, pieces and layer range, then
     the planner's notes. No trailing newline."""

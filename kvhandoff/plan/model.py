@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from kvhandoff.plan.format import format_plan
 from kvhandoff.plan.request import IndexArray
 from kvhandoff.plan.runs import run_starts, runs
 
@@ -187,8 +188,6 @@ class Plan:
     def __str__(self) -> str:
         """A few human lines (:func:`kvhandoff.plan.format.format_plan`), so that
         ``log.debug("%s", plan)`` formats only when the record is emitted."""
-        from kvhandoff.plan.format import format_plan  # format imports this module
-
         return format_plan(self)
 
     def by_component(self) -> dict[str, int]:
