@@ -43,6 +43,10 @@ Contract every transport keeps (the conformance suite in ``tests/conformance`` c
 * **Completion callbacks.** ``handle.add_done_callback(fn)`` calls ``fn(handle)`` once
   when the handle becomes final, from the thread that completed it (or at once if it
   already is), so a caller can react without a thread of its own waiting.
+* **Timing.** ``handle.started`` is when the transport began moving the bytes (the first
+  byte to the socket, the first copy, the engine's post; :meth:`Handle.mark_started`),
+  ``handle.finished`` when the handle became final — the span NIXL's xferDuration covers
+  for its own transfers. A submit's checks and descriptors come before ``started``.
 * **Notices** (``capabilities.notices``). ``submit(peer, plan, notice=b"...")`` hands
   ``notice`` (at most :data:`MAX_NOTICE` bytes) to the handler the *receiving*
   transport set with :meth:`Transport.on_notice`, on one of its threads, after every
@@ -152,8 +156,8 @@ class Handle:
     may still land) and the transport's ``on_release`` callback runs exactly once.
     """
 
-    __slots__ = ("_callbacks", "_cond", "_error", "_on_release", "_released", "_state", "nbytes",
-                 "peer")
+    __slots__ = ("_callbacks", "_cond", "_error", "_on_release", "_released", "_state",
+                 "finished", "nbytes", "peer", "started")
 
     def __init__(self, *, nbytes: int, peer: str = "",
                  on_release: Callable[[Handle], None] | None = None) -> None:
@@ -165,6 +169,13 @@ class Handle:
         self._released = False
         self._on_release = on_release
         self._callbacks: list[Callable[[Handle], None]] | None = None
+        self.started: float | None = None
+        """When the transport began moving the bytes (``time.monotonic()``): the first
+        byte written to a socket, the first copy, the engine's post. None until then, and
+        for transports that do not say (the caller's submit time is then the best
+        guess)."""
+        self.finished: float | None = None
+        """When the handle became final (``time.monotonic()``)."""
 
     @classmethod
     def completed(cls, *, nbytes: int = 0, peer: str = "") -> Handle:
@@ -186,17 +197,26 @@ class Handle:
     def released(self) -> bool:
         return self._released
 
-    def set_done(self) -> bool:
-        return self._finish(TransferState.DONE, None)
+    def mark_started(self) -> None:
+        """The transport is about to move the first byte (the first call counts)."""
+        if self.started is None:
+            self.started = time.monotonic()
+
+    def set_done(self, at: float | None = None) -> bool:
+        """Complete the handle; ``at``: when the transport learnt the bytes had landed
+        (``time.monotonic()``), if that was earlier than now."""
+        return self._finish(TransferState.DONE, None, at)
 
     def set_failed(self, error: TransportError) -> bool:
         return self._finish(TransferState.FAILED, error)
 
-    def _finish(self, state: TransferState, error: TransportError | None) -> bool:
+    def _finish(self, state: TransferState, error: TransportError | None,
+                at: float | None = None) -> bool:
         with self._cond:
             if self._state is not TransferState.PENDING:
                 return False
             self._state, self._error = state, error
+            self.finished = time.monotonic() if at is None else at
             callbacks, self._callbacks = self._callbacks, None
             self._cond.notify_all()
         for fn in callbacks or ():

@@ -99,6 +99,7 @@ class MemoryTransport(Transport):
             handle.set_failed(RemoteOutOfBounds(f"{peer.name} refused the write: {problem}"))
             return handle
         src = self.local
+        handle.mark_started()
         for e in plan.entries:
             copy_entry(e, src, dst)
         if notice is not None:

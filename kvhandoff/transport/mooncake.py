@@ -463,6 +463,7 @@ class MooncakeTransport(EngineTransport):
                 lane.queue.popleft()
                 continue
             i = job.sent
+            job.handle.mark_started()
             bid = te.batch_transfer_async_write(session, [job.src[i]], [job.dst[i]],
                                                 [job.length[i]])
             if not 0 < bid < 1 << 63:  # 0 / -1: opening the peer's segment or submit failed

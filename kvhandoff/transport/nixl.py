@@ -153,6 +153,7 @@ class _Job:
     key: bytes = b""  # identity of the plan's segments, for re-posting
     host_only: bool = False  # a staging write (cached apart from plans)
     stopped: bool = False
+    landed: float | None = None  # when the last of its requests was seen done
 
     def fail(self, error: TransportError) -> None:
         if not self.stopped:
@@ -379,10 +380,14 @@ class NixlTransport(EngineTransport):
         return out
 
     def _post(self, job: _Job, now: float) -> None:
-        """Post every request of ``job`` (caller holds the lock)."""
+        """Post every request of ``job`` (caller holds the lock). The handle's start and
+        (for a post that completes at once) its end are stamped right around the post,
+        the span NIXL's own xferDuration covers."""
         for x in job.xfers:
             try:
+                job.handle.mark_started()
                 state = _status(self._agent.transfer(x.handle))
+                job.landed = time.monotonic()  # the latest post's end, if all are done
             except Exception as e:
                 job.fail(_error(e, f"nixl write to {job.peer.name} failed"))
                 return
@@ -397,7 +402,7 @@ class NixlTransport(EngineTransport):
         if job.stopped or not all(x.done for x in job.xfers):
             return
         job.stopped = True
-        job.handle.set_done()
+        job.handle.set_done(job.landed)
         self._inflight.remove(job)
         cached = job.peer.cached
         old = cached.pop((job.host_only, job.key), None)  # an identical plan ran meanwhile
@@ -452,6 +457,7 @@ class NixlTransport(EngineTransport):
                 return self._drop(job, error)
             if state is TransferState.DONE:
                 x.done = changed = True
+                job.landed = time.monotonic()
             elif now - x.posted > self._io_timeout:
                 error = PeerLost(f"nixl write to {job.peer.name} made no progress in "
                                  f"{self._io_timeout}s")

@@ -182,6 +182,7 @@ class ShmPeer(WorkerPeer):
                 self._forget(job)
                 continue
             src = plan_views(job.plan, self._local(), "src") if small is not None else None
+            job.handle.mark_started()
             if isinstance(small, list) and isinstance(src, list):
                 copy_views(small, src)
             else:

@@ -518,6 +518,7 @@ class StagingLink(WorkerPeer):
             job.plan = Plan(entries=())  # drop references to the plan's arrays
 
     def _send_job(self, job: _Job) -> None:
+        job.handle.mark_started()
         frames = split(job.plan, self.frame_bytes)
         job.remaining = len(frames)
         if len(frames) > 1:  # the receiver refuses the whole plan before any scatter

@@ -248,6 +248,7 @@ class TcpPeer(WorkerPeer):
 
     def _write_frame(self, conn: _Conn, frame: _Frame) -> None:
         """Queue ``frame`` into the connection's sink (under ``conn.lock``)."""
+        frame.transfer.handle.mark_started()
         frame.seq = next(conn.seq)
         conn.inflight.append(frame)
         flags = FLAG_CHECK if frame.check else 0

@@ -4,6 +4,7 @@ once, when the handle is final, without anyone calling ``wait``/``poll``."""
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -204,3 +205,28 @@ def test_handle_callback_may_wait_and_add_callbacks() -> None:
     h.add_done_callback(nested)
     h.set_done()
     assert seen == [TransferState.DONE, TransferState.DONE]
+
+
+def test_a_handle_says_when_its_bytes_started_moving_and_when_it_ended(pair: Pair) -> None:
+    """``started``: the transport began moving the bytes (the span NIXL's xferDuration
+    covers, which the session's ``transfer`` phase reports); ``finished``: final."""
+    p = pair.builder(13).plan("pages_4k")
+    before = time.monotonic()
+    h = pair.sender.submit(pair.connect(), p)
+    assert pair.sender.wait(h, TIMEOUT) is TransferState.DONE, h.error
+    assert h.started is not None, "the transport does not stamp Handle.started"
+    assert h.finished is not None and before <= h.started <= h.finished <= time.monotonic()
+
+
+def test_handle_stamps_its_start_once_and_its_end_when_final() -> None:
+    h = Handle(nbytes=1)
+    assert h.started is None and h.finished is None
+    h.mark_started()
+    first = h.started
+    h.mark_started()  # a later frame or post of the same handle does not move it
+    assert h.started == first
+    h.set_done()
+    assert h.finished is not None and first is not None and h.finished >= first
+    cancelled = Handle(nbytes=1)
+    cancelled.release()  # never started: only the end is known
+    assert cancelled.started is None and cancelled.finished is not None
