@@ -41,9 +41,17 @@ class Timeline:
         self._clock = clock
         self._at: dict[str, float] = {OPENED: clock()}
 
-    def mark(self, event: str) -> None:
-        """Stamp ``event`` now, unless it already happened."""
-        self._at.setdefault(event, self._clock())
+    def mark(self, event: str, at: float | None = None) -> None:
+        """Stamp ``event`` now (or ``at``, a time of this timeline's clock), unless it
+        already happened."""
+        self._at.setdefault(event, self._clock() if at is None else at)
+
+    def mark_earliest(self, event: str, at: float) -> None:
+        """Stamp ``event`` at ``at`` unless it was stamped earlier (for events reported
+        out of order, such as writes that complete in another order than they began)."""
+        old = self._at.get(event)
+        if old is None or at < old:
+            self._at[event] = at
 
     def at(self, event: str) -> float | None:
         """When ``event`` happened (monotonic seconds), or None."""
@@ -67,8 +75,10 @@ PHASES: Mapping[str, tuple[tuple[str, str, str], ...]] = {
 }
 """Per role, the phases of a handoff as (phase, from event, to event): prefill waits for
 decode's indices, prepares its first write (``prepare``: the engine's ``send`` if it comes
-later, and planning), writes (``transfer``: the transport's writes, submitted until
-acknowledged) and settles; decode looks prefill up and handshakes (``bootstrap``), then
+later, planning, and the transport's own preparation: bounds checks, descriptors, its
+queue), writes (``transfer``: from the transport starting to move the first write's bytes
+— ``Handle.started``, the span NIXL's ``xferDuration`` covers — until it acknowledged the
+last write) and settles; decode looks prefill up and handshakes (``bootstrap``), then
 waits for the bytes and verifies them (``transfer``: its indices out until SUCCESS)."""
 
 END: Mapping[str, str] = {"prefill": SETTLED, "decode": LANDED}

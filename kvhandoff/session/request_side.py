@@ -50,6 +50,12 @@ class RequestSide:
         """The ranks of the other side this request dealt with (``instance/tpN``)."""
         return []
 
+    def _stamp(self, event: str) -> float | None:
+        """When ``event``, which the core just reached, really happened, if this side
+        knows it was earlier than now (None: now)."""
+        del event
+        return None
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.request_id!r} {self._sm.state.value}>"
 
@@ -108,7 +114,7 @@ class RequestSide:
                 self._sm.fail(str(error), event=effect.event)
                 logging.getLogger(type(self).__module__).info("%s failed: %s", self, error)
             case Mark(name=name):
-                self.timeline.mark(name)
+                self.timeline.mark(name, self._stamp(name))
             case _:
                 return self._carry_out(effect)
         return []

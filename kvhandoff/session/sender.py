@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 from collections.abc import Mapping
 
 from kvhandoff.errors import HandoffError
@@ -82,6 +83,7 @@ class Sender(RequestSide):
         self._core = SendCore(request_id=request_id, facts=agent, created=self._created)
         self._peers: dict[str, DecodePeer] = {}
         self._settled = threading.Event()
+        self._landed: float | None = None  # the latest acknowledgement of our writes
         inits, failed = agent.attach(self)
         with self._lock:
             if failed is not None:
@@ -210,6 +212,9 @@ class Sender(RequestSide):
 
     # --- the core's effects (under the lock) ---------------------------------------------
 
+    def _stamp(self, event: str) -> float | None:
+        return self._landed if event == tl.WRITTEN else None
+
     def _carry_out(self, effect: object) -> list[object]:
         match effect:
             case PlanChunk():
@@ -248,27 +253,33 @@ class Sender(RequestSide):
         assert isinstance(e.payload, Plan)
         notice = self.agent.notice(peer, e.status)  # the status rides in band, if it can
         try:
-            self.timeline.mark(tl.WRITE)
+            submitted = time.monotonic()
             handle = self.agent.transport.submit(peer.transport_peer, e.payload, notice=notice)
         except (TransportError, HandoffError, TypeError, ValueError) as exc:
             return self._core.submit_refused(f"{exc}")
         self.agent.track(handle, functools.partial(self._on_written, e.endpoint, e.status,
-                                                   notice is not None))
+                                                   notice is not None, submitted))
         return self._core.submitted()
 
     # --- completions (a transport thread or the completion thread) -----------------------
 
     def _on_written(self, endpoint: str, status: TransferStatus, in_band: bool,
-                    handle: Handle, err: TransportError | None, timed_out: bool,
-                    blocking: bool) -> bool:
+                    submitted: float, handle: Handle, err: TransportError | None,
+                    timed_out: bool, blocking: bool) -> bool:
         """A write of ours ended. Called in the transport thread that completed it with
         ``blocking=False`` (declines, returning False, rather than wait for our lock: its
         holder may be in ``submit``, waiting on that thread), else in the completion
-        thread."""
-        del handle
+        thread. The timeline's WRITE is when the transport began moving the bytes of the
+        first write (the submit, for a transport that does not say), its WRITTEN when the
+        transport acknowledged the last (:meth:`_stamp`): noticing it later is ``settle``."""
         if not self._lock.acquire(blocking):
             return False
         try:
+            if err is None:
+                started = handle.started
+                self.timeline.mark_earliest(tl.WRITE, submitted if started is None else started)
+                if handle.finished is not None:
+                    self._landed = max(self._landed or handle.finished, handle.finished)
             self._do(self._core.written(endpoint, status, in_band, err, timed_out))
         finally:
             self._lock.release()

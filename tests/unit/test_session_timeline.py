@@ -35,3 +35,18 @@ def test_relative_lists_events_in_the_order_they_happened() -> None:
     t.mark(tl.LANDED)
     assert list(t.relative().items()) == [(tl.OPENED, 0.0), (tl.ASKED, 0.5),
                                           (tl.LANDED, 1.0)]
+
+
+def test_an_event_may_be_stamped_with_a_time_of_its_own() -> None:
+    t = _clock()  # opened at 10.0
+    t.mark(tl.WRITE, at=10.25)  # e.g. when the transport began moving the bytes
+    t.mark(tl.WRITE, at=12.0)  # the first stamp still wins
+    assert t.at(tl.WRITE) == 10.25
+
+
+def test_the_earliest_of_out_of_order_stamps_wins() -> None:
+    t = _clock()
+    t.mark_earliest(tl.WRITE, 11.0)  # the second write's start, reported first
+    t.mark_earliest(tl.WRITE, 10.5)  # the first write's, reported later
+    t.mark_earliest(tl.WRITE, 10.75)
+    assert t.at(tl.WRITE) == 10.5
