@@ -8,7 +8,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvhandoff-installed
 
-.PHONY: demo test lint typecheck unit gpu-check bench-planner bench-session bench-transport venv system-deps engines clean \
+.PHONY: demo test lint typecheck unit gpu-check bench-planner bench-session bench-transport bench-vllm venv system-deps engines clean \
 	vllm-venv demo-vllm sweep soak test-stress test-stress-faults
 
 venv: $(STAMP)
@@ -168,6 +168,11 @@ bench-session: $(STAMP)
 
 bench-transport: $(STAMP)
 	$(BIN)/kvhandoff bench transport
+
+# KvhandoffConnector against vLLM's NixlConnector, real servers (.venv-vllm); BENCH_VLLM
+# passes options, e.g. BENCH_VLLM="--transport nixl".
+bench-vllm: $(STAMP) $(VLLM_STAMP)
+	$(BIN)/kvhandoff bench vllm $(BENCH_VLLM)
 
 # Debian packages some optional transports need (Mooncake), for the wheel .venv gets
 # (Debian main only unless that is the CUDA one). Safe to re-run.

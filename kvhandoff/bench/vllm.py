@@ -6,8 +6,12 @@ For each connector in turn, a prefill and a decode vLLM server (the demo's tiny 
 
 * **time to first token** through the pair (streaming, the first SSE chunk with a token)
   and **transfer time** per request, the same span for both — the data movement:
-  kvhandoff's writes on prefill, submitted to the transport until it acknowledged them;
-  NIXL's READs, decode's ``vllm:nixl_xfer_time_seconds`` — plus kvhandoff's **load
+  kvhandoff's writes on prefill, from the transport starting to move the bytes
+  (``Handle.started``: the engine's post, the first byte on the socket) until it
+  acknowledged them; NIXL's READs, decode's ``vllm:nixl_xfer_time_seconds`` (NIXL's
+  xferDuration: from its post to completion) — plus kvhandoff's **prepare time**
+  (prefill's planning and the transport's bounds checks and descriptors, which NIXL does
+  ahead of time for its block-indexed descriptor lists) and its **load
   time** (decode's indices out until the bytes and guard are verified: a control hop, the
   planning, the writes and the status back), median over ``--repeat`` trials, each
   trial with its own ``cache_salt`` so no prefix cache is reused;
@@ -67,7 +71,7 @@ def run_connector(connector: str, model: Path, opts: demo.Options, args: argpars
             print(f"  {connector} {len(prompt):4d} tokens: {demo._summary(h)}", flush=True)
             rows.append({"prompt_tokens": len(prompt), "ok": h.ok, "error": h.error,
                          "ttft_ms": h.ttfts_ms, "transfer_ms": h.transfers_ms,
-                         "load_ms": h.loads_ms,
+                         "load_ms": h.loads_ms, "prepare_ms": h.prepares_ms,
                          "bytes": sum(h.bytes_by_group.values())})
         rate = _rate(pair, prompts[-1], args.requests, args.concurrency, opts.max_tokens)
         print(f"  {connector} rate: {rate['requests_per_s']:.2f} requests/s", flush=True)
@@ -89,6 +93,7 @@ def compare(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
             row[key] = {"kvhandoff": ma, "nixl": mb,
                         "ratio": ma / mb if ma is not None and mb else None}
         row["kvhandoff_load_ms"] = _median(a["load_ms"])
+        row["kvhandoff_prepare_ms"] = _median(a.get("prepare_ms", []))
         per_prompt.append(row)
     ttft = [r["ttft_ms"]["ratio"] for r in per_prompt if r["ttft_ms"]["ratio"] is not None]
     big = [r["transfer_ms"]["ratio"] for r in per_prompt
@@ -166,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         t, x = r["ttft_ms"], r["transfer_ms"]
         print(f"  {r['prompt_tokens']:4d} tokens: TTFT {t['kvhandoff']:.1f} vs {t['nixl']:.1f} ms"
               f" ({t['ratio']:.2f}x); transfer {x['kvhandoff'] or 0:.2f} vs "
-              f"{x['nixl'] or 0:.2f} ms ({x['ratio'] or 0:.2f}x); kvhandoff load "
-              f"{r['kvhandoff_load_ms'] or 0:.2f} ms")
+              f"{x['nixl'] or 0:.2f} ms ({x['ratio'] or 0:.2f}x); kvhandoff prepare "
+              f"{r['kvhandoff_prepare_ms'] or 0:.2f} ms, load {r['kvhandoff_load_ms'] or 0:.2f} ms")
     for g in cmp["goals"]:
         print(f"  {g['what']}: {g['ratio'] or 0:.2f}x [{'met' if g['met'] else 'NOT met'}]")
     args.json.parent.mkdir(parents=True, exist_ok=True)
