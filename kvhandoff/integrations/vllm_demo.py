@@ -844,10 +844,11 @@ LEGEND = ("✓: tokens identical to the local run (the same prompt straight to t
           "Transfer ms is the data movement, the same span for both: kvhandoff's writes on "
           "prefill (from the transport starting to move the bytes until it acknowledged the "
           "last of them in decode's memory), NIXL's xferDuration for its READs (its post "
-          "to completion; vllm:nixl_xfer_time_seconds). kvh load ms is decode's whole wait for the state: "
-          "its indices out until prefill's bytes and the arrival guard are verified (one "
-          "control hop to prefill, the planning, the writes and the status back). TTFT is "
-          "the client's, through the proxy: prefill hop, handoff and decode's first token.")
+          "to completion; vllm:nixl_xfer_time_seconds). kvh load ms is decode's whole wait "
+          "for the state: its indices out until prefill's bytes and the arrival guard are "
+          "verified (one control hop to prefill, the planning, the writes and the status "
+          "back). TTFT is the client's, through the proxy: prefill hop, handoff and "
+          "decode's first token.")
 
 
 def report(opts: Options, rows: list[Row], seconds: float, args: argparse.Namespace) -> int:
