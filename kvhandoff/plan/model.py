@@ -10,6 +10,7 @@ Flat form (for engines that take address lists): ``(src_addr, dst_addr, length)`
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -82,26 +83,27 @@ class TensorPlan:
         length = np.broadcast_to(ln[rep], (len(self.src_idx), len(rep))).ravel()
         return Segments(src, dst, np.ascontiguousarray(length))
 
-    def runs(self, cache: dict[tuple[int, int], tuple[I64, I64]] | None = None) -> Segments:
-        """Coalesced segments of a ``whole_units`` pair, computed on the index arrays.
+    def runs(self) -> Segments:
+        """Coalesced segments of a ``whole_units`` pair, computed on the index arrays."""
+        return _layer_runs((self,))
 
-        ``cache`` shares run detection between pairs that use the same index arrays
-        (every layer of a component does)."""
-        s, d = self.src_idx, self.dst_idx
-        if not len(s):
-            return Segments.empty()
-        key = (id(s), id(d))
-        found = cache.get(key) if cache is not None else None
-        if found is None:
-            found = runs(s, d)
-            if cache is not None:
-                cache[key] = found
-        starts, counts = found
-        return Segments(
-            self.src_ptr + s[starts] * self.src_unit,
-            self.dst_ptr + d[starts] * self.dst_unit,
-            counts * self.src_unit,
-        )
+
+def _layer_runs(group: Sequence[TensorPlan]) -> Segments:
+    """The coalesced segments of ``whole_units`` pairs that share their index arrays and
+    unit size (a component's layers), pair by pair: the runs are found once and laid
+    out at every pair's base addresses in one broadcast."""
+    first = group[0]
+    s, d, unit = first.src_idx, first.dst_idx, first.src_unit
+    if not len(s):
+        return Segments.empty()
+    starts, counts = runs(s, d)
+    if len(group) == 1:
+        return Segments(first.src_ptr + s[starts] * unit, first.dst_ptr + d[starts] * unit,
+                        counts * unit)
+    src_base = np.array([e.src_ptr for e in group], np.int64)[:, None]
+    dst_base = np.array([e.dst_ptr for e in group], np.int64)[:, None]
+    return Segments((src_base + s[starts] * unit).ravel(), (dst_base + d[starts] * unit).ravel(),
+                    np.tile(counts * unit, len(group)))
 
 
 _new = object.__new__
@@ -201,9 +203,25 @@ class Plan:
         """Every segment, uncoalesced, entry by entry."""
         return Segments.concat([e.segments() for e in self.entries])
 
+    def entry_runs(self) -> list[Segments]:
+        """The entries' coalesced segments, in plan order, in parts: neighbouring
+        ``whole_units`` entries that share index arrays and unit size (a component's
+        layers) make one part and find their runs once; any other entry is a part."""
+        out: list[Segments] = []
+        es, i = self.entries, 0
+        while i < len(es):
+            e, j = es[i], i + 1
+            if not e.whole_units:
+                out.append(e.segments().coalesce())
+                i = j
+                continue
+            while (j < len(es) and es[j].src_idx is e.src_idx and es[j].dst_idx is e.dst_idx
+                   and es[j].src_unit == e.src_unit and es[j].whole_units):
+                j += 1
+            out.append(_layer_runs(es[i:j]))
+            i = j
+        return out
+
     def coalesce(self) -> Segments:
         """The fewest segments that move the same bytes, in plan order."""
-        cache: dict[tuple[int, int], tuple[I64, I64]] = {}
-        parts = [e.runs(cache) if e.whole_units else e.segments().coalesce()
-                 for e in self.entries]
-        return Segments.concat(parts).coalesce()
+        return Segments.concat(self.entry_runs()).coalesce()

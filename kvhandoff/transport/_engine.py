@@ -158,7 +158,7 @@ def engine_segments(plan: Plan, src: RegionTable, dst: RegionTable) -> Segments:
 
     Coalescing across tensors (a layer's K and V contiguous on both sides) is kept
     unless a merged segment would straddle two adjacent registered regions."""
-    parts = [e.runs() if e.whole_units else e.segments().coalesce() for e in plan.entries]
+    parts = plan.entry_runs()
     segs = parts[0] if len(parts) == 1 else Segments.concat(parts)
     if len(parts) > 1:
         merged = segs.coalesce()

@@ -785,6 +785,9 @@ class Staging:
     def wants(self, plan: Plan, dst_host: RegionTable) -> bool:
         """Whether ``plan`` is fragmented enough to stage, and all host memory."""
         cfg = self.config
+        most = plan.num_segments  # uncoalesced: at least the estimate below
+        if most < cfg.min_segments or plan.nbytes >= cfg.below * most:
+            return False  # decided without counting runs
         n = estimate_segments(plan)
         if n < cfg.min_segments or plan.nbytes >= cfg.below * n:
             return False

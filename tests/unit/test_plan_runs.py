@@ -7,7 +7,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from kvhandoff.plan.model import Segments, TensorPlan
+from kvhandoff.plan.model import Plan, Segments, TensorPlan
 from kvhandoff.plan.runs import run_starts, runs
 
 I64 = npt.NDArray[np.int64]
@@ -121,3 +121,30 @@ def test_former_call_sites_are_unchanged(seed: int) -> None:
     ids = np.unique(np.asarray(blocks, np.int64))
     f, c = runs(ids)
     assert list(zip(ids[f].tolist(), c.tolist(), strict=True)) == old_block_runs(blocks)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_layers_sharing_index_arrays_coalesce_like_every_segment_one_by_one(seed: int) -> None:
+    """Plan.coalesce finds the runs of neighbouring layers that share index arrays once
+    (as the planner's entries do); the result is that of coalescing every segment."""
+    rng = np.random.default_rng(seed)
+    entries = []
+    for group in range(int(rng.integers(1, 4))):
+        n = int(rng.integers(0, 12))
+        s_idx = random_starts(rng, n, np.ones(max(n, 1), np.int64))
+        d_idx = random_starts(rng, n, np.ones(max(n, 1), np.int64))
+        unit = int(rng.integers(1, 64))
+        strided = rng.random() < 0.3  # not whole units: a part of its own
+        piece = [0, 0, unit // 2 or 1, 1, 0, 0] if strided else [0, 0, unit, 1, 0, 0]
+        for layer in range(int(rng.integers(1, 5))):
+            base = (group * 8 + layer) << 24
+            entries.append(TensorPlan(
+                component=f"c{group}", tensor="t", layer_id=layer,
+                src_ptr=base + int(rng.integers(0, 2)) * 1000,  # some layers abut
+                dst_ptr=(1 << 40) + base, src_unit=unit, dst_unit=unit,
+                src_idx=s_idx, dst_idx=d_idx,
+                pieces=np.array([piece], np.int64)))
+    plan = Plan(entries=tuple(entries))
+    got, want = plan.coalesce(), old_segments_coalesce(plan.flatten())
+    assert [a.tolist() for a in (got.src, got.dst, got.length)] == \
+        [a.tolist() for a in (want.src, want.dst, want.length)]
