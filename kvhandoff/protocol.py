@@ -57,9 +57,10 @@ from kvhandoff.layout import (
 from kvhandoff.plan.request import IndexArray, Indices
 from kvhandoff.state_types import StateType
 
-PROTOCOL_VERSION: Final = 3
+PROTOCOL_VERSION: Final = 4
 """Bumped on any change to a message's fields or meaning; compared at handshake.
-2: ``ErrorReply.code``."""
+2: ``ErrorReply.code``. 4: ``StatusNotice.more`` (a notice may carry several statuses;
+a version-3 decode rank would drop such notices and time out)."""
 
 MAX_MESSAGE_BYTES: Final = 64 << 20
 """Largest control message accepted (or sent). Index lists of a 1M-token request at
@@ -487,17 +488,28 @@ _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Message)
 
 
-class StatusNotice(_Record, frozen=True):
+class StatusNotice(_Record, frozen=True, omit_defaults=True):
     """prefill → decode *in band*: a successful :class:`TransferStatus` carried by the
     transport as the notice of the chunk's own writes (transports with
     ``capabilities.notices``, to a decode rank whose ``Hello`` said ``notices``), so it
     lands right after the bytes, without a control-socket hop. Not a control message.
     ``to``: the decode rank's control endpoint (several decode agents may share one
-    transport); ``sender``: the prefill rank's."""
+    transport); ``sender``: the prefill rank's.
+
+    ``more``: the statuses of the other chunks whose writes rode in the same submit
+    (prefill batches the writes of requests that are ready together; see
+    :mod:`kvhandoff.session.write_batch`). Omitted when empty, so a notice of one status
+    is the same bytes as before batching existed."""
 
     to: str
     sender: str
     status: TransferStatus
+    more: tuple[TransferStatus, ...] = ()
+
+    @property
+    def statuses(self) -> tuple[TransferStatus, ...]:
+        """Every status the notice carries, in the order they were batched."""
+        return (self.status, *self.more)
 
 
 _NOTICE_DECODER = msgspec.msgpack.Decoder(StatusNotice)

@@ -180,11 +180,13 @@ class DecodeDesk:
     def _on_notice(self, notice: StatusNotice) -> None:
         """An in-band status (a transport thread): as if it came over the control socket
         from ``notice.sender``."""
+        statuses = notice.statuses  # a batched write's notice carries several
         with self._lock:
-            self.in_band += 1
-            r = self.receivers.get(notice.status.request_id)
-        if r is not None:
-            r.on_status(notice.sender, notice.status)
+            self.in_band += len(statuses)
+            found = [(self.receivers.get(st.request_id), st) for st in statuses]
+        for r, st in found:
+            if r is not None:
+                r.on_status(notice.sender, st)
 
     def _on_error_reply(self, origin: Origin, msg: ErrorReply) -> None:
         if origin.endpoint is None or msg.request_id is None:

@@ -9,7 +9,8 @@ empty chunks still go over the control socket.
 
 Several decode agents may share one transport (the engine's emulated TP ranks), so a
 transport gets one :class:`NoticeRouter`, which passes each notice to the agent whose
-control endpoint it names. A notice that does not decode or names no agent here is
+control endpoint it names (with every status it carries: a batch's notice carries
+several, ``StatusNotice.more``). A notice that does not decode or names no agent here is
 logged and dropped: it cannot be trusted more than a control message from nowhere.
 """
 
@@ -42,9 +43,19 @@ def in_band(status: TransferStatus, *, to: str, sender: str, transport: Transpor
     """``status`` as the in-band notice of its chunk's writes to the decode rank at
     ``to`` (which ``accepted`` notices at handshake), from the prefill rank at ``sender``;
     None when it goes over the control socket (no notices, or too long for one)."""
-    if not (accepted and transport.capabilities.notices):
+    return in_band_all([status], to=to, sender=sender, transport=transport,
+                       accepted=accepted)
+
+
+def in_band_all(statuses: list[TransferStatus], *, to: str, sender: str,
+                transport: Transport, accepted: bool) -> bytes | None:
+    """As :func:`in_band`, for the statuses of several chunks whose writes go in one
+    submit (a batch, :mod:`kvhandoff.session.write_batch`): one notice carries them all,
+    in order. None when they go over the control socket (no notices, or too long)."""
+    if not (statuses and accepted and transport.capabilities.notices):
         return None
-    data = encode_notice(StatusNotice(to=to, sender=sender, status=status))
+    data = encode_notice(StatusNotice(to=to, sender=sender, status=statuses[0],
+                                      more=tuple(statuses[1:])))
     return data if len(data) <= MAX_NOTICE else None
 
 
