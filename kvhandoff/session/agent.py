@@ -31,6 +31,7 @@ into a request (each request has its own lock), so the two never deadlock.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable
@@ -57,6 +58,7 @@ from kvhandoff.session.prefill_desk import PrefillDesk
 from kvhandoff.session.rank_io import RankIO
 from kvhandoff.session.receiver import Receiver
 from kvhandoff.session.sender import Sender
+from kvhandoff.session.write_batch import BatchedWrite
 from kvhandoff.transport.base import Handle, Transport
 
 log = logging.getLogger("kvhandoff.session.agent")
@@ -122,7 +124,7 @@ class Agent:
             lay, cfg, name=self.name, transport=transport, own_transport=own_transport,
             on_message=self._on_message, on_tick=lambda now: beats.tick(now, self._desk),
             on_undeliverable=lambda ep, why: beats.peer_lost(ep, why, self._desk),
-            on_unauthenticated=self._on_unauthenticated)
+            on_unauthenticated=self._on_unauthenticated, on_drained=self._on_drained)
         beats.control = io.control
         self.rank_id = RankId(instance=cfg.instance, dp_rank=dp_rank, tp_rank=lay.tp_rank,
                               tp_size=lay.tp_size, pp_rank=lay.pp_rank, pp_size=lay.pp_size)
@@ -164,6 +166,24 @@ class Agent:
             raise RuntimeError("handshake() is for decode agents")
         return self._desk.handshake(bootstrap_addr, instance or self.config.instance,
                                     self.config.bootstrap_timeout if timeout is None else timeout)
+
+    def batched_writes(self) -> contextlib.AbstractContextManager[None]:
+        """Prefill: a context in which the writes the calling thread's Senders decide
+        (``Sender.send`` once decode's indices are in) are held, then submitted when it
+        exits, batched per decode rank: one transport submit and one in-band notice for
+        all of them (:mod:`~kvhandoff.session.write_batch`). For an engine that hands
+        over many finished prefills at once (a scheduler step)::
+
+            with agent.batched_writes():
+                for s, pages, state in finished:
+                    s.send(pages, state, last=True)
+
+        Outside it, a write is submitted by ``send`` itself. (Writes decided on the
+        agent's own control thread, when decode's indices release queued chunks, are
+        always batched per burst of control messages.) A decode agent has no writes:
+        the context does nothing."""
+        desk = self._desk
+        return desk.held_writes() if isinstance(desk, PrefillDesk) else contextlib.nullcontext()
 
     def live(self) -> list[Sender | Receiver]:
         """The requests not yet finished here (settled on prefill, released on decode)."""
@@ -260,6 +280,10 @@ class Agent:
     def notice(self, peer: DecodePeer, status: TransferStatus) -> bytes | None:
         return self._desk.notice(peer, status) if isinstance(self._desk, PrefillDesk) else None
 
+    def defer_write(self, write: BatchedWrite) -> bool:
+        desk = self._desk
+        return isinstance(desk, PrefillDesk) and desk.defer_write(write)
+
     def write_failed(self, peer: DecodePeer) -> None:
         """A write to ``peer`` failed (any thread). Its requests fail by themselves, but
         a dead rank must not linger once no request is left to watch it: the endpoint is
@@ -292,6 +316,10 @@ class Agent:
                 reason=f"a {self.role.value} agent does not accept {type(msg).__name__}"
                        + ("" if origin.endpoint else " from an unnamed client"),
                 request_id=getattr(msg, "request_id", None)))
+
+    def _on_drained(self) -> None:
+        if isinstance(self._desk, PrefillDesk):
+            self._desk.flush_writes()
 
     def _on_unauthenticated(self, endpoint: str, reason: str) -> None:
         """A peer we dialed answered with something that failed authentication (it does

@@ -47,7 +47,8 @@ from any thread. ``send`` writes at once (above); ``reply`` (on the ROUTER) and
 socket closes are queued for the I/O thread, which is woken through a pipe (no polling
 while idle). Messages to one endpoint leave in the order their ``send`` calls took the
 lock. ``on_message``, ``on_tick`` and ``on_undeliverable`` run on the I/O thread, one at
-a time, and must not block.
+a time, and must not block; ``on_drained`` runs there too, after each round of reading
+(every message that was ready handled, up to a bound per socket) and after each tick.
 """
 
 from __future__ import annotations
@@ -118,8 +119,10 @@ class ControlChannel:
     def __init__(self, *, host: str, port: int, dial_host: str, on_message: MessageHandler,
                  on_tick: TickHandler, on_undeliverable: FailureHandler, tick: float,
                  name: str = "agent", flush_timeout: float = 0.25, key: bytes | None = None,
-                 on_unauthenticated: FailureHandler | None = None) -> None:
+                 on_unauthenticated: FailureHandler | None = None,
+                 on_drained: Callable[[], None] | None = None) -> None:
         self._on_message = on_message
+        self._on_drained = on_drained
         self._on_tick = on_tick
         self._on_undeliverable = on_undeliverable
         self._on_unauthenticated = on_unauthenticated
@@ -297,12 +300,14 @@ class ControlChannel:
                     elif sock == self._wake_r:
                         self._drain_wake()
                 self._read_dealers()  # cheap: a few EVENTS checks; covers lost edges
+                self._drained()
                 self._flush()
                 self._sync(poller, watched)
                 now = time.monotonic()
                 if now >= next_tick:
                     next_tick = now + self._tick
                     self._guard("tick", functools.partial(self._on_tick, now))
+                    self._drained()
                     self._prune(now)
             self._flush()
         except zmq.ZMQError as e:  # the context was terminated under us: nothing to save
@@ -316,6 +321,16 @@ class ControlChannel:
                     d.sock.close(linger=0)
                 self._dealers.clear()
                 self._retired.clear()
+
+    def in_io_thread(self) -> bool:
+        """Whether the caller is this channel's I/O thread (where handlers run)."""
+        return threading.get_ident() == self._thread.ident
+
+    def _drained(self) -> None:
+        """Every message that was ready has been handled: ``on_drained`` (prefill submits
+        the writes they produced, batched; see :mod:`kvhandoff.session.write_batch`)."""
+        if self._on_drained is not None:
+            self._guard("drained", self._on_drained)
 
     def _drain_wake(self) -> None:
         self._armed = False

@@ -53,6 +53,7 @@ from kvhandoff.session.errors import SessionError
 from kvhandoff.session.groups import PrefillGroups
 from kvhandoff.session.memory import TensorViews
 from kvhandoff.session.peers import DecodePeer
+from kvhandoff.session.write_batch import BatchedWrite
 from kvhandoff.transport.base import Handle, Transport
 
 
@@ -181,6 +182,12 @@ class RankHost(Protocol):
     def notice(self, peer: DecodePeer, status: TransferStatus) -> bytes | None:
         """Prefill: ``status`` as the in-band notice of writes to ``peer``, or None when
         it must go over the control socket."""
+        ...
+
+    def defer_write(self, write: BatchedWrite) -> bool:
+        """Prefill: take ``write`` into the batch the control I/O thread submits once it
+        handled every message that is ready (True); False when the caller must submit it
+        now (not on that thread, or closing). See :mod:`kvhandoff.session.write_batch`."""
         ...
 
     def write_failed(self, peer: DecodePeer) -> None:

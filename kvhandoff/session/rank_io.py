@@ -50,7 +50,8 @@ class RankIO:
     def __init__(self, layout: Layout, config: SessionConfig, *, name: str,
                  transport: Transport | None, own_transport: bool, on_message: MessageHandler,
                  on_tick: TickHandler, on_undeliverable: FailureHandler,
-                 on_unauthenticated: FailureHandler) -> None:
+                 on_unauthenticated: FailureHandler,
+                 on_drained: Callable[[], None] | None = None) -> None:
         self._name = name
         self._owns_transport = own_transport or transport is None
         self._transport: Transport | None = None
@@ -74,7 +75,7 @@ class RankIO:
             self._control = ControlChannel(
                 host=cfg.host, port=cfg.port, dial_host=cfg.dial_host, on_message=on_message,
                 on_tick=on_tick, on_undeliverable=on_undeliverable, tick=cfg.tick, name=name,
-                key=key, on_unauthenticated=on_unauthenticated)
+                key=key, on_unauthenticated=on_unauthenticated, on_drained=on_drained)
         except BaseException:
             self.stop()
             self.close_transport()

@@ -11,7 +11,9 @@ events and carries out the effects with its host (post, plan, submit, track). Th
   emits ``PlanChunk`` (the planner request); the shell answers ``planned`` (or
   ``plan_failed``). A plan with bytes becomes ``Write``, answered ``submitted`` (or
   ``submit_refused``); the next ``PlanChunk`` comes only then, so a failure stops the
-  rest. An empty plan counts as written at once.
+  rest. An empty plan counts as written at once. A write the shell batched with others
+  (:mod:`~kvhandoff.session.write_batch`) is answered ``submitted`` when batched and,
+  should the batch's submit be refused, ``refused`` later.
 * **Statuses.** A written chunk's status is posted unless it travelled in band; the last
   chunk's waits until every chunk to that rank is written, so decode never hears "last"
   early. The last chunk written to every rank: ALL_DONE.
@@ -118,6 +120,11 @@ class _Target:
     last_done: bool = False  # the last chunk's writes completed
     held_last: TransferStatus | None = None  # its status, sent once every chunk is done
     finished: bool = False  # its final status (success or failure) went out
+
+
+def _batched(shared: int) -> str:
+    return "" if not shared else \
+        f" (one batched write with {shared} other chunk(s) to that rank, all failed alike)"
 
 
 class SendFacts(RankFacts, Protocol):
@@ -338,9 +345,11 @@ class SendCore(CoreBase):
         return self._take()
 
     def written(self, endpoint: str, status: TransferStatus, in_band: bool,
-                error: Exception | None, timed_out: bool) -> list[object]:
+                error: Exception | None, timed_out: bool, shared: int = 0) -> list[object]:
         """A write of ours ended (``error`` None: it completed); ``in_band``: the
-        transport delivered ``status`` with it; ``timed_out``: cancelled, may still land."""
+        transport delivered ``status`` with it; ``timed_out``: cancelled, may still land;
+        ``shared``: how many other chunks (of this or other requests) rode in the same
+        batched write (:mod:`kvhandoff.session.write_batch`), named in a failure."""
         t = self.targets[endpoint]
         self._inflight -= 1
         self.poisoned |= timed_out
@@ -350,9 +359,20 @@ class SendCore(CoreBase):
             kind = PeerLost if isinstance(error, PeerLost) else TransferFailed
             self._emit(WriteFailed(endpoint))
             self._fail(kind(f"request {self.request_id!r} chunk {status.chunk} to decode "
-                            f"{t.rank} ({endpoint}) failed: {error}"))
+                            f"{t.rank} ({endpoint}) failed: {error}{_batched(shared)}"))
         else:
             self._chunk_done(t, status, in_band)
+        self._maybe_settled()
+        return self._take()
+
+    def refused(self, endpoint: str, status: TransferStatus, why: str,
+                shared: int = 0) -> list[object]:
+        """A write already answered ``submitted`` (the shell deferred it into a batch)
+        was refused by the transport when the batch was submitted: as ``submit_refused``."""
+        t = self.targets[endpoint]
+        self._inflight -= 1
+        self._fail(TransferFailed(f"request {self.request_id!r} chunk {status.chunk} to "
+                                  f"decode {t.rank}: submit refused: {why}{_batched(shared)}"))
         self._maybe_settled()
         return self._take()
 

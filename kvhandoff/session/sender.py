@@ -27,7 +27,10 @@ success without a write.
 Each chunk's status goes to decode over the control socket once its writes completed,
 or, when both transports deliver notices (tcp), in band with the writes themselves
 (:mod:`kvhandoff.session.notices`): decode then hears of the chunk as soon as its bytes
-landed, one control hop earlier.
+landed, one control hop earlier. A write decided on the agent's control I/O thread
+(queued chunks going out when decode's indices arrive) is batched with the other writes
+of that burst to the same decode rank (:mod:`kvhandoff.session.write_batch`): one submit,
+one notice, one completion fanned out to each request.
 
 After a failure, every decode rank that sent indices is told (``TransferStatus`` FAILED)
 and, once none of this request's writes is in flight any more, gets an ``AbortAck`` so it
@@ -69,6 +72,7 @@ from kvhandoff.session.send_core import (
     WriteFailed,
 )
 from kvhandoff.session.status import Status
+from kvhandoff.session.write_batch import BatchedWrite
 from kvhandoff.transport.base import Handle
 from kvhandoff.transport.errors import TransportError
 
@@ -251,26 +255,47 @@ class Sender(RequestSide):
     def _write(self, e: Write) -> list[object]:
         peer = self._peers[e.endpoint]
         assert isinstance(e.payload, Plan)
+        submitted = time.monotonic()
+        if self.agent.defer_write(BatchedWrite(
+                peer, e.payload, e.status,
+                functools.partial(self._on_written, e.endpoint, e.status, submitted),
+                functools.partial(self._on_batch_refused, e.endpoint, e.status))):
+            return self._core.submitted()  # the I/O thread submits it with its burst
         notice = self.agent.notice(peer, e.status)  # the status rides in band, if it can
         try:
-            submitted = time.monotonic()
             handle = self.agent.transport.submit(peer.transport_peer, e.payload, notice=notice)
         except (TransportError, HandoffError, TypeError, ValueError) as exc:
             return self._core.submit_refused(f"{exc}")
-        self.agent.track(handle, functools.partial(self._on_written, e.endpoint, e.status,
-                                                   notice is not None, submitted))
+        self.agent.track(handle, functools.partial(self._on_one_written, e.endpoint, e.status,
+                                                   submitted, notice is not None))
         return self._core.submitted()
 
     # --- completions (a transport thread or the completion thread) -----------------------
 
-    def _on_written(self, endpoint: str, status: TransferStatus, in_band: bool,
-                    submitted: float, handle: Handle, err: TransportError | None,
-                    timed_out: bool, blocking: bool) -> bool:
-        """A write of ours ended. Called in the transport thread that completed it with
-        ``blocking=False`` (declines, returning False, rather than wait for our lock: its
-        holder may be in ``submit``, waiting on that thread), else in the completion
-        thread. The timeline's WRITE is when the transport began moving the bytes of the
-        first write (the submit, for a transport that does not say), its WRITTEN when the
+    def _on_one_written(self, endpoint: str, status: TransferStatus, submitted: float,
+                        in_band: bool, handle: Handle, err: TransportError | None,
+                        timed_out: bool, blocking: bool) -> bool:
+        """The completion callback of a write of ours alone (see :meth:`_on_written`)."""
+        return self._on_written(endpoint, status, submitted, handle, in_band, err, timed_out,
+                                blocking, 0)
+
+    def _on_batch_refused(self, endpoint: str, status: TransferStatus, why: str,
+                          shared: int) -> None:
+        """The batch that carried our chunk was refused by the transport (the I/O thread,
+        or the closing agent's)."""
+        with self._lock:
+            self._do(self._core.refused(endpoint, status, why, shared))
+
+    def _on_written(self, endpoint: str, status: TransferStatus, submitted: float,
+                    handle: Handle, in_band: bool, err: TransportError | None,
+                    timed_out: bool, blocking: bool, shared: int) -> bool:
+        """A write of ours ended (alone, or batched with ``shared`` other chunks: see
+        :mod:`~kvhandoff.session.write_batch`). Called in the transport thread that
+        completed it with ``blocking=False`` (declines, returning False, rather than wait
+        for our lock: its holder may be in ``submit``, waiting on that thread), else in
+        the completion thread. The timeline's WRITE is when the transport began moving the
+        bytes of the first write (the submit, or for a batched one when the request
+        handed it over, for a transport that does not say), its WRITTEN when the
         transport acknowledged the last (:meth:`_stamp`): noticing it later is ``settle``."""
         if not self._lock.acquire(blocking):
             return False
@@ -280,7 +305,7 @@ class Sender(RequestSide):
                 self.timeline.mark_earliest(tl.WRITE, submitted if started is None else started)
                 if handle.finished is not None:
                     self._landed = max(self._landed or handle.finished, handle.finished)
-            self._do(self._core.written(endpoint, status, in_band, err, timed_out))
+            self._do(self._core.written(endpoint, status, in_band, err, timed_out, shared))
         finally:
             self._lock.release()
         return True

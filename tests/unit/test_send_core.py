@@ -353,6 +353,32 @@ def test_a_refused_submit_fails_and_settles() -> None:
     assert [p.endpoint for p in posts(out, AbortAck)] == [ep(0), ep(1)]
 
 
+def test_a_batched_write_refused_after_submitted_fails_and_settles() -> None:
+    """The shell answered ``submitted`` (the write waited in a batch), then the batch's
+    submit was refused: as a refused submit, naming the batch."""
+    core, sh = ready(ranks=2)
+    send(core, sh, [0, 1], last=True)
+    first, second = sh.open
+    assert not core.settled
+    out = sh.do(core.refused(first.endpoint, first.status, "peer closed", shared=3))
+    assert core.status is Status.FAILED and not core.settled  # the other write is in flight
+    assert "submit refused: peer closed" in str(core.error)
+    assert "with 3 other chunk(s)" in str(core.error)
+    assert not posts(out, AbortAck)
+    out = sh.end(second)
+    assert core.settled and [p.endpoint for p in posts(out, AbortAck)] == [ep(0), ep(1)]
+
+
+def test_a_failed_batched_write_names_the_batch() -> None:
+    core, sh = ready()
+    send(core, sh, [0, 1], last=True)
+    (w,) = sh.open
+    sh.open.remove(w)
+    sh.do(core.written(w.endpoint, w.status, False, TransportError("reset"), False, 5))
+    assert isinstance(core.error, TransferFailed) and core.settled
+    assert "failed: reset (one batched write with 5 other chunk(s)" in str(core.error)
+
+
 def test_a_chunk_past_the_announced_pages_fails() -> None:
     core, sh = ready(pages=2)
     send(core, sh, [0, 1, 2])

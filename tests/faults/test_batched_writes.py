@@ -1,0 +1,94 @@
+"""Batched writes (:mod:`kvhandoff.session.write_batch`) over real sockets: requests
+handed over together reach decode in one submit per chunk round, with one in-band
+notice carrying every status, every byte in place; a batch that fails fails exactly
+its requests, each saying it was batched."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvhandoff.plan.execute import HostMemory
+from kvhandoff.plan.model import Plan
+from kvhandoff.protocol import decode_notice
+from kvhandoff.session import Status
+from kvhandoff.session.bootstrap import BootstrapServer
+from kvhandoff.testing.handoff import request_of
+from kvhandoff.testing.oracle import expected_writes
+from kvhandoff.testing.rig import Rig
+from kvhandoff.transport.base import Handle, Peer
+from kvhandoff.transport.errors import TransportClosed
+from kvhandoff.transport.tcp import TcpTransport
+
+
+class CountingTcp(TcpTransport):
+    """Records how many statuses each submit's notice carried; ``refuse``: the next
+    submit with several of them is refused, as a closed peer's would be."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.notices: list[int] = []
+        self.refuse = False
+
+    def submit(self, peer: Peer, plan: Plan, *, notice: bytes | None = None) -> Handle:
+        n = 0 if notice is None else len(decode_notice(notice).statuses)
+        if self.refuse and n > 1:
+            self.refuse = False
+            raise TransportClosed("injected: peer closed by its owner")
+        self.notices.append(n)
+        return super().submit(peer, plan, notice=notice)
+
+
+def test_requests_handed_over_together_share_writes_and_land_byte_exact(
+        bootstrap: BootstrapServer, instance: str) -> None:
+    t = CountingTcp()
+    rig = Rig(bootstrap.url, instance, prefill_transport=t)
+    try:
+        plans = [rig.plan(i + 1, block=i, chunk_pages=2) for i in range(3)]
+        recvs = [rig.receiver(rp) for rp in plans]
+        sends = [rig.sender(rp) for rp in plans]
+        for s, _, _ in sends:
+            assert s.wait_bootstrapped(10) is Status.WAITING_FOR_INPUT
+        with rig.prefill.batched_writes():
+            for s, chunks, state in sends:
+                rig.send_all(s, chunks, state)
+            assert t.notices == []  # held until the context exits
+        for r in recvs:
+            assert r.wait(10) is Status.SUCCESS, r.reason
+        for s, _, _ in sends:
+            assert s.wait(10) is Status.SUCCESS, s.reason
+        rounds = max(len(chunks) for _, chunks, _ in sends)
+        assert t.notices == [3] * rounds, t.notices  # one write per chunk round, 3 statuses
+        assert rig.decode.stats["in_band_statuses"] == 3 * rounds
+        mem_d, mem_p = HostMemory(rig.darena.bufs), HostMemory(rig.parena.bufs)
+        for rp in plans:
+            bm = expected_writes([rig.src], rig.dst, request_of(rig.scn, rp, rig.src, rig.dst))
+            assert len(bm.dst)
+            assert np.array_equal(mem_d.read(bm.dst), mem_p.read(bm.src)), "bytes differ"
+    finally:
+        rig.close()
+
+
+def test_a_refused_batch_fails_exactly_its_requests(bootstrap: BootstrapServer,
+                                                    instance: str) -> None:
+    t = CountingTcp()
+    rig = Rig(bootstrap.url, instance, prefill_transport=t)
+    try:
+        plans = [rig.plan(i + 1, block=i, chunk_pages=32) for i in range(2)]  # one chunk
+        recvs = [rig.receiver(rp) for rp in plans]
+        sends = [rig.sender(rp) for rp in plans]
+        for s, _, _ in sends:
+            assert s.wait_bootstrapped(10) is Status.WAITING_FOR_INPUT
+        t.refuse = True
+        with rig.prefill.batched_writes():
+            for s, chunks, state in sends:
+                rig.send_all(s, chunks, state)
+        for (s, _, _), r in zip(sends, recvs, strict=True):
+            assert s.wait(10) is Status.FAILED
+            assert "submit refused: injected: peer closed by its owner" in str(s.reason)
+            assert "one batched write with 1 other chunk(s)" in str(s.reason), s.reason
+            assert s.wait_settled(10)
+            assert r.wait(10) is Status.FAILED
+            assert r.wait_released(10)  # prefill acked: nothing of it in flight
+        rig.handoff(rig.plan(9, block=3))  # the agents still work, unbatched
+    finally:
+        rig.close()
