@@ -168,22 +168,13 @@ class Agent:
                                     self.config.bootstrap_timeout if timeout is None else timeout)
 
     def batched_writes(self) -> contextlib.AbstractContextManager[None]:
-        """Prefill: a context in which the writes the calling thread's Senders decide
-        (``Sender.send`` once decode's indices are in) are held, then submitted when it
-        exits, batched per decode rank: one transport submit and one in-band notice for
-        all of them (:mod:`~kvhandoff.session.write_batch`). For an engine that hands
-        over many finished prefills at once (a scheduler step)::
-
-            with agent.batched_writes():
-                for s, pages, state in finished:
-                    s.send(pages, state, last=True)
-
-        Outside it, a write is submitted by ``send`` itself. (Writes decided on the
-        agent's own control thread, when decode's indices release queued chunks, are
-        always batched per burst of control messages.) A decode agent has no writes:
-        the context does nothing."""
+        """Prefill: within this context the writes the calling thread's Senders decide are
+        held, then submitted batched per decode rank when it exits (one submit and one
+        in-band notice for all; :mod:`~kvhandoff.session.write_batch`): for an engine
+        handing over many finished prefills at once. Writes decided on the control
+        thread are always batched per burst of messages. Does nothing on decode."""
         desk = self._desk
-        return desk.held_writes() if isinstance(desk, PrefillDesk) else contextlib.nullcontext()
+        return desk.writes.held() if isinstance(desk, PrefillDesk) else contextlib.nullcontext()
 
     def live(self) -> list[Sender | Receiver]:
         """The requests not yet finished here (settled on prefill, released on decode)."""
@@ -281,8 +272,7 @@ class Agent:
         return self._desk.notice(peer, status) if isinstance(self._desk, PrefillDesk) else None
 
     def defer_write(self, write: BatchedWrite) -> bool:
-        desk = self._desk
-        return isinstance(desk, PrefillDesk) and desk.defer_write(write)
+        return isinstance(self._desk, PrefillDesk) and self._desk.writes.defer(write)
 
     def write_failed(self, peer: DecodePeer) -> None:
         """A write to ``peer`` failed (any thread). Its requests fail by themselves, but
@@ -319,7 +309,7 @@ class Agent:
 
     def _on_drained(self) -> None:
         if isinstance(self._desk, PrefillDesk):
-            self._desk.flush_writes()
+            self._desk.writes.flush()
 
     def _on_unauthenticated(self, endpoint: str, reason: str) -> None:
         """A peer we dialed answered with something that failed authentication (it does

@@ -20,7 +20,6 @@ into a Sender, which may call :meth:`attach`/:meth:`finished` under its own lock
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import threading
@@ -47,7 +46,7 @@ from kvhandoff.session.notices import in_band, in_band_all
 from kvhandoff.session.peers import DecodePeer, DecodePeers
 from kvhandoff.session.registration import Probe, Registration, prefill_record
 from kvhandoff.session.sender import Sender
-from kvhandoff.session.write_batch import BatchedWrite, WriteBatcher
+from kvhandoff.session.write_batch import WriteBatcher
 from kvhandoff.transport.throttle import Throttle
 
 log = logging.getLogger("kvhandoff.session.agent")  # the agent's voice: one logger per agent
@@ -73,8 +72,10 @@ class PrefillDesk:
         self._registration: Registration | None = None
         self.peers = DecodePeers(layout=host.layout, transport=host.transport,
                                  rank=host.rank_id, send=host.post)
-        self.writes = WriteBatcher(transport=host.transport, track=host.track,
-                                   notice=self._notice_all, on_io_thread=control.in_io_thread)
+        self.writes = WriteBatcher(  # the Senders' writes, batched per burst (write_batch.py)
+            transport=host.transport, track=host.track, on_io_thread=control.in_io_thread,
+            notice=lambda p, sts: in_band_all(sts, to=p.endpoint, sender=control.endpoint,
+                                              transport=host.transport, accepted=p.notices))
 
     # --- bootstrap registration ---------------------------------------------------------
 
@@ -134,24 +135,6 @@ class PrefillDesk:
         when it goes over the control socket (see :mod:`kvhandoff.session.notices`)."""
         return in_band(status, to=peer.endpoint, sender=self._control.endpoint,
                        transport=self._host.transport, accepted=peer.notices)
-
-    def _notice_all(self, peer: DecodePeer, statuses: list[TransferStatus]) -> bytes | None:
-        """As :meth:`notice`, for a batch's statuses (one notice carries them all)."""
-        return in_band_all(statuses, to=peer.endpoint, sender=self._control.endpoint,
-                           transport=self._host.transport, accepted=peer.notices)
-
-    def defer_write(self, write: BatchedWrite) -> bool:
-        """Batch ``write`` with the others of this burst (see
-        :mod:`kvhandoff.session.write_batch`); False: submit it now."""
-        return self.writes.defer(write)
-
-    def held_writes(self) -> contextlib.AbstractContextManager[None]:
-        """See :meth:`kvhandoff.session.agent.Agent.batched_writes`."""
-        return self.writes.held()
-
-    def flush_writes(self) -> None:
-        """The I/O thread handled every ready message: submit the burst's writes."""
-        self.writes.flush()
 
     def live(self) -> list[Sender]:
         with self._lock:
@@ -312,8 +295,7 @@ class PrefillDesk:
             return [*self.senders.values()]
 
     def close(self) -> None:
-        """Report writes never submitted as refused, close the decode peers' data
-        connections and forget every request."""
+        """Refuse unsent writes, close the decode peers' connections, forget requests."""
         self.writes.close()
         self.peers.close()
         with self._lock:
