@@ -41,13 +41,18 @@ def merge(plans: Sequence[Plan]) -> Plan:
         raise ValueError(f"merge() takes plans between one pair of ranks, got (src, dst) "
                          f"tp ranks {sorted(ranks)}")
     groups: dict[tuple[object, ...], list[TensorPlan]] = {}
+    # pieces by content, each array read once: the planner shares one pieces array per
+    # tensor pair between plans of one layout pair (the ids are stable: plans hold them)
+    by_id: dict[int, tuple[object, bytes]] = {}
     for p in plans:
         for e in p.entries:
             if not len(e.src_idx):
                 continue
-            pieces = e.pieces
+            pieces = by_id.get(id(e.pieces))
+            if pieces is None:
+                pieces = by_id[id(e.pieces)] = (e.pieces.shape, e.pieces.tobytes())
             key = (e.component, e.tensor, e.layer_id, e.src_ptr, e.dst_ptr, e.src_unit,
-                   e.dst_unit, pieces.shape, pieces.tobytes())
+                   e.dst_unit, pieces)
             groups.setdefault(key, []).append(e)
     entries = []
     for same in groups.values():
