@@ -11,15 +11,19 @@ Pure numpy; the plans are not changed.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import numpy as np
 
 from kvhandoff.plan.model import Plan, TensorPlan, _entry
+from kvhandoff.plan.request import IndexArray
 
 # what must agree for two entries to become one (everything but the index arrays)
 _FIXED = ("component", "tensor", "layer_id", "src_ptr", "dst_ptr", "src_unit", "dst_unit",
           "pieces", "_per_unit")
+_fixed_key = operator.attrgetter(*_FIXED[:7])  # all but the pieces, which go by content
+_pieces = operator.attrgetter("pieces")
 
 
 def merge(plans: Sequence[Plan]) -> Plan:
@@ -40,6 +44,43 @@ def merge(plans: Sequence[Plan]) -> Plan:
     if len(ranks) > 1:
         raise ValueError(f"merge() takes plans between one pair of ranks, got (src, dst) "
                          f"tp ranks {sorted(ranks)}")
+    joined: dict[tuple[int, ...], IndexArray] = {}
+    entries = _aligned(plans, joined)
+    if entries is None:
+        entries = _grouped(plans, joined)
+    notes = tuple(n for p in plans for n in p.notes)
+    return Plan(entries=tuple(entries), src_tp_rank=first.src_tp_rank,
+                dst_tp_rank=first.dst_tp_rank, notes=notes)
+
+
+def _aligned(plans: Sequence[Plan], joined: dict[tuple[int, ...], IndexArray]
+             ) -> list[TensorPlan] | None:
+    """The common case, without a dict lookup per entry: every plan has the same
+    entries in the same order (one layout pair, the same components moving), no two
+    alike within a plan, so position ``i`` of every plan forms one group (in the order
+    :func:`_grouped` would give, as the first plan's entries all move bytes). ``None``
+    when the plans are not like that."""
+    first = plans[0].entries
+    keys, pieces = list(map(_fixed_key, first)), list(map(id, map(_pieces, first)))
+    if len(set(keys)) != len(keys) or not all(len(e.src_idx) for e in first):
+        return None
+    for p in plans[1:]:
+        if (len(p.entries) != len(keys) or list(map(_fixed_key, p.entries)) != keys
+                or list(map(id, map(_pieces, p.entries))) != pieces):
+            return None
+    entries = []
+    for column in zip(*(p.entries for p in plans), strict=True):
+        same = [e for e in column if len(e.src_idx)]
+        if len(same) > 1:
+            entries.append(_joined(same, joined))
+        elif same:
+            entries.append(same[0])
+    return entries
+
+
+def _grouped(plans: Sequence[Plan], joined: dict[tuple[int, ...], IndexArray]
+             ) -> list[TensorPlan]:
+    """Any plans: entries grouped by everything but their index arrays."""
     groups: dict[tuple[object, ...], list[TensorPlan]] = {}
     # pieces by content, each array read once: the planner shares one pieces array per
     # tensor pair between plans of one layout pair (the ids are stable: plans hold them)
@@ -51,19 +92,24 @@ def merge(plans: Sequence[Plan]) -> Plan:
             pieces = by_id.get(id(e.pieces))
             if pieces is None:
                 pieces = by_id[id(e.pieces)] = (e.pieces.shape, e.pieces.tobytes())
-            key = (e.component, e.tensor, e.layer_id, e.src_ptr, e.dst_ptr, e.src_unit,
-                   e.dst_unit, pieces)
-            groups.setdefault(key, []).append(e)
-    entries = []
-    for same in groups.values():
-        if len(same) == 1:
-            entries.append(same[0])
-            continue
-        e0 = same[0]
-        fixed = {k: getattr(e0, k) for k in _FIXED}
-        fixed["_per_unit"] = -1  # recomputed on first use
-        entries.append(_entry(fixed, np.concatenate([e.src_idx for e in same]),
-                              np.concatenate([e.dst_idx for e in same])))
-    notes = tuple(n for p in plans for n in p.notes)
-    return Plan(entries=tuple(entries), src_tp_rank=first.src_tp_rank,
-                dst_tp_rank=first.dst_tp_rank, notes=notes)
+            groups.setdefault((_fixed_key(e), pieces), []).append(e)
+    return [same[0] if len(same) == 1 else _joined(same, joined) for same in groups.values()]
+
+
+def _joined(same: list[TensorPlan], joined: dict[tuple[int, ...], IndexArray]) -> TensorPlan:
+    """One entry for ``same`` (alike but for their index arrays). The planner shares index
+    arrays between the tensors of one component, so each run of arrays is concatenated
+    once however many entries carry it."""
+    fixed = {k: getattr(same[0], k) for k in _FIXED}
+    return _entry(fixed, _join(joined, [e.src_idx for e in same]),
+                  _join(joined, [e.dst_idx for e in same]))
+
+
+def _join(joined: dict[tuple[int, ...], IndexArray], arrays: list[IndexArray]) -> IndexArray:
+    """``arrays`` concatenated, or the same concatenation made earlier in this merge (the
+    arrays are alive all the while, so their ids cannot be reused)."""
+    key = tuple(map(id, arrays))
+    out = joined.get(key)
+    if out is None:
+        out = joined[key] = np.concatenate(arrays)
+    return out

@@ -14,6 +14,7 @@ import pytest
 
 from kvhandoff import shapes
 from kvhandoff.plan import Plan, TensorPlan
+from kvhandoff.plan import merge as merge_module
 from kvhandoff.plan.merge import merge
 from kvhandoff.protocol import Outcome, RankId, TransferStatus, decode_notice
 from kvhandoff.session.completion import Callback
@@ -62,6 +63,47 @@ def test_merge_moves_exactly_the_bytes_of_the_plans_with_one_entry_per_tensor_pa
         ("k", [1, 2, 3], [5, 6, 7]), ("v", [1, 2, 3], [5, 6, 7]), ("k", [4], [0])]
     assert m.nbytes == a.nbytes + b.nbytes + c.nbytes
     assert a.entries[0].src_idx.tolist() == [1]  # the inputs are unchanged
+
+
+def entries_of(p: Plan) -> list[tuple[object, ...]]:
+    return [(e.tensor, e.layer_id, e.pieces.tolist(), e.src_idx.tolist(), e.dst_idx.tolist())
+            for e in p.entries]
+
+
+def test_merge_of_plans_alike_entry_by_entry_matches_the_general_grouping() -> None:
+    """The aligned path (every plan the same entries in the same order) gives what the
+    general grouping gives: same entries, same order, same bytes; one index array shared
+    by several entries is concatenated once and shared again."""
+    plans = []
+    for i in range(5):
+        idx = np.array([i, 10 + i], dtype=np.int64)  # shared by k and v, as the planner does
+        plans.append(Plan(entries=(
+            TensorPlan(component="kv", tensor="k", layer_id=0, src_ptr=1 << 20,
+                       dst_ptr=1 << 30, src_unit=64, dst_unit=64, src_idx=idx, dst_idx=idx,
+                       pieces=PIECE),
+            TensorPlan(component="kv", tensor="v", layer_id=0, src_ptr=1 << 21,
+                       dst_ptr=1 << 31, src_unit=64, dst_unit=64, src_idx=idx, dst_idx=idx,
+                       pieces=PIECE),
+            entry("s", [i] if i != 3 else [], [i] if i != 3 else []))))  # 3 moves no state
+    fast = merge(plans)
+    general = Plan(entries=tuple(merge_module._grouped(plans, {})))
+    assert merge_module._aligned(plans, {}) is not None
+    assert entries_of(fast) == entries_of(general)
+    assert moved(fast) == sorted(x for p in plans for x in moved(p))
+    assert fast.entries[0].src_idx is fast.entries[1].src_idx  # concatenated once
+    assert fast.nbytes == sum(p.nbytes for p in plans)
+
+
+def test_merge_falls_back_to_grouping_when_plans_are_not_alike_entry_by_entry() -> None:
+    a = Plan(entries=(entry("k", [1], [5]), entry("v", [1], [5])))
+    b = Plan(entries=(entry("v", [2], [6]), entry("k", [2], [6])))  # the other order
+    c = Plan(entries=(entry("k", [], []), entry("v", [3], [7])))  # first plan moves nothing
+    twice = Plan(entries=(entry("k", [1], [5]), entry("k", [2], [6])))  # one pair twice
+    for plans in ([a, b], [c, a], [twice, twice]):
+        assert merge_module._aligned(plans, {}) is None
+        assert moved(merge(plans)) == sorted(x for p in plans for x in moved(p))
+    assert entries_of(merge([a, b])) == [("k", 0, PIECE.tolist(), [1, 2], [5, 6]),
+                                         ("v", 0, PIECE.tolist(), [1, 2], [5, 6])]
 
 
 def test_merge_of_one_plan_is_that_plan_and_of_none_or_two_rank_pairs_an_error() -> None:
