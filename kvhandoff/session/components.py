@@ -8,6 +8,7 @@ state components (they travel whole, with the last chunk). Pure: no I/O.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from kvhandoff.layout import Layout, RowKind, TensorSpec
@@ -49,6 +50,7 @@ class Components:
                    kv_repageable=bool(kv) and repageable(layout, kv[0].name))
 
 
+@functools.lru_cache(maxsize=256)  # asked per request, of the few layouts a rank meets
 def repageable(layout: Layout, name: str) -> bool:
     """Whether every tensor of component ``name`` holds one token row per page token, so
     its pages can be re-paged by token rows when the two sides' page sizes differ."""
