@@ -167,10 +167,15 @@ class Plan:
     src_tp_rank: int = 0
     dst_tp_rank: int = 0
     notes: tuple[str, ...] = field(default=())  # trims and other non-fatal decisions
+    # nbytes, computed on first use (the sender, the write batcher and the transport ask)
+    _nbytes: int = field(default=-1, init=False, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
-        return sum(e.bytes_per_unit * len(e.src_idx) for e in self.entries)
+        if self._nbytes < 0:
+            object.__setattr__(self, "_nbytes",
+                               sum(e.bytes_per_unit * len(e.src_idx) for e in self.entries))
+        return self._nbytes
 
     @property
     def num_pieces(self) -> int:
