@@ -202,6 +202,8 @@ class Plan:
         out: dict[str, int] = {}
         for e in self.entries:
             out[e.component] = out.get(e.component, 0) + e.nbytes
+        if self._nbytes < 0:  # the same pass gives nbytes
+            object.__setattr__(self, "_nbytes", sum(out.values()))
         return out
 
     def flatten(self) -> Segments:

@@ -242,8 +242,7 @@ class Sender(RequestSide):
     def _plan(self, e: PlanChunk) -> list[object]:
         try:
             p = plan(self.agent.layout, self._peers[e.endpoint].layout, e.request)
-            by_component = p.by_component()
-            self.component_bytes.update(by_component)
+            self.component_bytes.update(p.by_component())
         except (HandoffError, ValueError) as exc:
             return self._core.plan_failed(str(exc))
         sums, idx = None, None
@@ -251,7 +250,7 @@ class Sender(RequestSide):
             sums = plan_digests(p, "src", self.agent.views)
             idx = {n: PlannedIndicesMsg.of(v) for n, v in e.request.items()
                    if v is not None and n in sums}
-        return self._core.planned(sum(by_component.values()), sums, idx, p)
+        return self._core.planned(p.nbytes, sums, idx, p)
 
     def _write(self, e: Write) -> list[object]:
         peer = self._peers[e.endpoint]
