@@ -17,7 +17,9 @@ ranks lazily, per bootstrap address, when the first Receiver needs them.
 
 One agent, two parts. The agent itself is role-neutral: its transport, control socket
 and threads (:mod:`~kvhandoff.session.rank_io`, also on the deployment secret),
-heartbeats and lost peers (:mod:`~kvhandoff.session.heartbeats`), and the
+heartbeats and lost peers (:mod:`~kvhandoff.session.heartbeats`), where each message
+goes (:mod:`~kvhandoff.session.dispatch`), its counters
+(:mod:`~kvhandoff.session.agent_stats`) and the
 :class:`~kvhandoff.session.host.RankHost` its requests see. A role is a desk, which takes
 every control message but heartbeats: :class:`~kvhandoff.session.prefill_desk.PrefillDesk`
 (bootstrap registration, decode peers, Senders) or
@@ -32,7 +34,6 @@ into a request (each request has its own lock), so the two never deadlock.
 from __future__ import annotations
 
 import contextlib
-import logging
 import threading
 from collections.abc import Callable
 from types import TracebackType
@@ -41,14 +42,16 @@ from typing import Self
 from kvhandoff.layout import Layout
 from kvhandoff.observe.report import Reporter, process_metrics
 from kvhandoff.observe.trace import TraceWriter
-from kvhandoff.protocol import ErrorReply, Message, RankId, TransferStatus
+from kvhandoff.protocol import Message, RankId, TransferStatus
+from kvhandoff.session.agent_stats import agent_stats
 from kvhandoff.session.completion import Callback
 from kvhandoff.session.components import Components
 from kvhandoff.session.config import SessionConfig
 from kvhandoff.session.control import ControlChannel, Origin
 from kvhandoff.session.decode_desk import DecodeDesk
+from kvhandoff.session.dispatch import deliver, drained, unauthenticated
 from kvhandoff.session.errors import AgentClosed, SessionError
-from kvhandoff.session.groups import GroupState, PrefillGroups
+from kvhandoff.session.groups import PrefillGroups
 from kvhandoff.session.heartbeats import Heartbeats
 from kvhandoff.session.host import Backlog, Request
 from kvhandoff.session.host import Role as Role  # re-exported: its historical home
@@ -60,8 +63,6 @@ from kvhandoff.session.receiver import Receiver
 from kvhandoff.session.sender import Sender
 from kvhandoff.session.write_batch import BatchedWrite
 from kvhandoff.transport.base import Handle, Transport
-
-log = logging.getLogger("kvhandoff.session.agent")
 
 
 class Agent:
@@ -124,7 +125,8 @@ class Agent:
             lay, cfg, name=self.name, transport=transport, own_transport=own_transport,
             on_message=self._on_message, on_tick=lambda now: beats.tick(now, self._desk),
             on_undeliverable=lambda ep, why: beats.peer_lost(ep, why, self._desk),
-            on_unauthenticated=self._on_unauthenticated, on_drained=self._on_drained)
+            on_unauthenticated=lambda ep, why: unauthenticated(self._desk, ep, why),
+            on_drained=lambda: drained(self._desk))
         beats.control = io.control
         self.rank_id = RankId(instance=cfg.instance, dp_rank=dp_rank, tp_rank=lay.tp_rank,
                               tp_size=lay.tp_size, pp_rank=lay.pp_rank, pp_size=lay.pp_size)
@@ -187,20 +189,8 @@ class Agent:
 
     @property
     def stats(self) -> dict[str, int]:
-        desk = self._desk
-        out = dict.fromkeys(("received", "sent", "malformed", "unauthenticated"), 0)
-        out.update(self._io.control.stats if self._io is not None else {})
-        out["live_requests"] = self.live_requests
-        out["decode_peers"] = len(desk.peers) if isinstance(desk, PrefillDesk) else 0
-        out["in_band_statuses"] = desk.in_band if isinstance(desk, DecodeDesk) else 0
-        out["prefill_peers"] = sum(len(g.ranks) for g in desk.groups.groups()
-                                   if g.state is GroupState.READY) \
-            if isinstance(desk, DecodeDesk) else 0
-        out["suspect_peers"] = self._beats.watch.suspects  # a write to them was lost; being probed
-        # request-scoped messages from an endpoint that is not that request's peer
-        out["not_request_peer"] = desk.not_request_peer if desk is not None else 0
-        out["staging_slots"] = self.transport.staging_slots_in_use if self._io else 0
-        return out
+        """This agent's counters, by name (:mod:`~kvhandoff.session.agent_stats`)."""
+        return agent_stats(self._desk, self._io, self._beats.watch)
 
     def close(self) -> None:
         """Fail live requests (telling their peers), deregister, stop every thread, close
@@ -295,24 +285,6 @@ class Agent:
     # --- control messages and timers (I/O thread) ----------------------------------------
 
     def _on_message(self, origin: Origin, msg: Message) -> None:
-        if self._beats.on_message(origin, msg):
-            return
-        if isinstance(msg, ErrorReply):  # never answered: agents must not trade errors forever
-            log.warning("agent %s: %s answered with an error: %s", self.name, origin,
-                        msg.reason[:500])
-        taken = self._desk is not None and self._desk.on_message(origin, msg)
-        if not (taken or isinstance(msg, ErrorReply)) and self._io is not None:
-            self._io.control.reply(origin, ErrorReply(
-                reason=f"a {self.role.value} agent does not accept {type(msg).__name__}"
-                       + ("" if origin.endpoint else " from an unnamed client"),
-                request_id=getattr(msg, "request_id", None)))
-
-    def _on_drained(self) -> None:
-        if isinstance(self._desk, PrefillDesk):
-            self._desk.writes.flush()
-
-    def _on_unauthenticated(self, endpoint: str, reason: str) -> None:
-        """A peer we dialed answered with something that failed authentication (it does
-        not hold our secret): a handshake waiting for it fails now, with ``reason``."""
-        if isinstance(self._desk, DecodeDesk):
-            self._desk.groups.refuse(endpoint, reason)
+        """Heartbeats, then the desk; what neither takes is refused (session/dispatch.py)."""
+        deliver(origin, msg, beats=self._beats, desk=self._desk, role=self.role, name=self.name,
+                control=self._io.control if self._io is not None else None)

@@ -14,6 +14,8 @@ protocols, so imports run one way only, and a request can be driven by a fake ho
 Around them, each one idea and none importing back up::
 
     agent ──> heartbeats ──> prefill_desk, decode_desk   (the tick, pings, lost peers)
+      ├─────> dispatch ──> heartbeats   (where each control message goes)
+      ├─────> agent_stats ──> prefill_desk, decode_desk, rank_io   (the counters)
       └─────> rank_io        (transport, control channel, threads)
     prefill_desk ──> claims ──> backlog <── decode_desk  (who may abort; what waits)
 
