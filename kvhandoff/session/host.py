@@ -18,6 +18,7 @@ Around them, each one idea and none importing back up::
       ├─────> agent_stats ──> prefill_desk, decode_desk, rank_io   (the counters)
       └─────> rank_io        (transport, control channel, threads)
     prefill_desk ──> claims ──> backlog <── decode_desk  (who may abort; what waits)
+      └────────────> prefill_answers   (what it answers for a request itself)
 
 Each shell (``sender``, ``receiver``) holds the request's lock and does the I/O; its
 core (``send_core``, ``recv_core``, sharing ``request_core``) decides, with no host, no

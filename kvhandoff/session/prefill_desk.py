@@ -7,8 +7,9 @@ their ``TransferInit`` and ``Abort`` messages to this rank's
 has a Sender, and the tombstones of requests that failed here, are kept, bounded, in a
 :class:`~kvhandoff.session.backlog.PrefillBacklog`; which endpoints may abort a request
 (and the rule against a second set of indices) is :mod:`~kvhandoff.session.claims`.
-Only a handshaken decode rank is ever dialed: an answer to anyone else goes back on the
-connection it came from.
+What the desk answers for a request itself is :mod:`~kvhandoff.session.prefill_answers`:
+only a handshaken decode rank is ever dialed, anyone else is answered on the connection
+it came from.
 
 The agent hands the desk every control message it does not handle itself; the desk
 reaches the agent through the :class:`~kvhandoff.session.host.RankHost` its Senders
@@ -27,12 +28,9 @@ import time
 
 from kvhandoff.protocol import (
     Abort,
-    AbortAck,
-    ErrorCode,
     ErrorReply,
     Hello,
     Message,
-    Outcome,
     RequestId,
     TransferInit,
     TransferStatus,
@@ -44,6 +42,7 @@ from kvhandoff.session.errors import AgentClosed
 from kvhandoff.session.host import Backlog, RankHost, Request
 from kvhandoff.session.notices import in_band, in_band_all
 from kvhandoff.session.peers import DecodePeer, DecodePeers
+from kvhandoff.session.prefill_answers import ack_abort, tell_failed, unknown_peer
 from kvhandoff.session.registration import Probe, Registration, prefill_record
 from kvhandoff.session.sender import Sender
 from kvhandoff.session.write_batch import WriteBatcher
@@ -162,11 +161,7 @@ class PrefillDesk:
     def _on_init(self, origin: Origin, msg: TransferInit) -> None:
         peer = self.peers.get(origin.endpoint)
         if peer is None or peer.rank != msg.rank:
-            why = "no accepted Hello from it" if peer is None else \
-                f"it handshook as {peer.rank}, not {msg.rank}"
-            self._control.reply(origin, ErrorReply(
-                reason=f"unknown decode peer {origin} ({why}); handshake again",
-                request_id=msg.request_id, code=ErrorCode.UNKNOWN_PEER))
+            self._control.reply(origin, unknown_peer(origin, msg, peer))
             with self._lock:
                 sender = self.senders.get(msg.request_id)
             if sender is not None and origin.endpoint is not None:
@@ -197,7 +192,7 @@ class PrefillDesk:
         elif sender is not None:
             sender.on_init(peer, msg)
         elif tomb is not None:
-            self._tell_failed(ep, rid, tomb.reason, ack=ep not in tomb.unsafe)
+            tell_failed(self._host, ep, rid, tomb.reason, ack=ep not in tomb.unsafe)
         elif full is not None:
             self._control.reply(origin, ErrorReply(reason=full, request_id=msg.request_id))
 
@@ -210,16 +205,7 @@ class PrefillDesk:
         if sender is not None:
             sender.on_init_refused(why)
         for ep in ([second] if sender is not None else [first, second]):
-            self._tell_failed(ep, rid, why, ack=True)
-
-    def _tell_failed(self, endpoint: str, rid: RequestId, reason: str, *, ack: bool) -> None:
-        """Tell a decode rank ``rid`` failed here; ``ack``: and that no write to it is in
-        flight (an ``AbortAck``)."""
-        host = self._host
-        host.post(endpoint, TransferStatus(request_id=rid, rank=host.rank_id, chunk=0,
-                                           last=True, outcome=Outcome.FAILED, reason=reason))
-        if ack:
-            host.post(endpoint, AbortAck(request_id=rid, rank=host.rank_id))
+            tell_failed(self._host, ep, rid, why, ack=True)
 
     def _redialed(self, peer: DecodePeer, msg: TransferInit, *, deliver: bool) -> None:
         """Re-dial ``peer``'s broken data connection (a worker thread), then hand ``msg``
@@ -265,11 +251,7 @@ class PrefillDesk:
             log.info("request %r: decode %s aborted; a cancelled write to it may still land, "
                      "so no AbortAck (it waits out its release_timeout)", rid, msg.rank)
         else:  # nothing of ours in flight to it: no Sender, its writes are over, or not a peer
-            ack = AbortAck(request_id=rid, rank=self._host.rank_id)
-            if ep is not None and self.peers.get(ep) is not None:
-                self._host.post(ep, ack)  # dial handshaken ranks only
-            else:
-                self._control.reply(origin, ack)
+            ack_abort(self._host, self._control, self.peers, origin, rid)
 
     # --- timers, lost peers, closing --------------------------------------------------------
 
