@@ -166,6 +166,12 @@ class StagingConfig:
             return self.quarantine
         return max(io_timeout, QUARANTINE_FLOOR)
 
+    def too_coarse(self, nbytes: int, segments: int) -> bool:
+        """Whether ``nbytes`` in ``segments`` segments are not worth staging: fewer
+        than ``min_segments``, or averaging ``below`` bytes or more. More segments never
+        make a plan coarser, so an upper bound on its count can rule it out early."""
+        return segments < self.min_segments or nbytes >= self.below * segments
+
 
 def estimate_segments(plan: Plan) -> int:
     """An upper bound on the plan's coalesced segment count, without expanding it:
@@ -786,10 +792,9 @@ class Staging:
         """Whether ``plan`` is fragmented enough to stage, and all host memory."""
         cfg = self.config
         most = plan.num_segments  # uncoalesced: at least the estimate below
-        if most < cfg.min_segments or plan.nbytes >= cfg.below * most:
+        if cfg.too_coarse(plan.nbytes, most):
             return False  # decided without counting runs
-        n = estimate_segments(plan)
-        if n < cfg.min_segments or plan.nbytes >= cfg.below * n:
+        if cfg.too_coarse(plan.nbytes, estimate_segments(plan)):
             return False
         return (plan_side_problem(plan, self._table(), "src") is None
                 and plan_side_problem(plan, dst_host, "dst") is None)
