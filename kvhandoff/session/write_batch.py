@@ -8,9 +8,21 @@ submitted when the thread has handled every message that was ready
 (:meth:`WriteBatcher.flush`, called by the channel after each read): per decode rank, the
 plans merge into one (:func:`kvhandoff.plan.merge.merge`) and one notice carries every
 status (``StatusNotice.more``). No timer and no added wait: a burst of one is submitted
-at the end of handling that one message, as before. A write decided on any other thread
-(the engine's ``send`` once decode's indices are in, a re-dial worker) is submitted at
-once by its request, unbatched.
+at the end of handling that one message, as before.
+
+Writes decided off the I/O thread (the engine's ``send`` once decode's indices are in, a
+re-dial worker) are batched too, inside :meth:`WriteBatcher.held` on the thread that
+decides them (``Agent.batched_writes()``: it counts per thread, nests, and holds no
+other thread's writes):
+
+* outside any ``held()`` block on its thread, ``defer`` refuses such a write and its
+  request submits it at once, unbatched;
+* inside one, it waits with the I/O thread's deferred writes and goes out with the
+  first flush that follows: the outermost ``held()`` exit on its thread, or sooner the
+  I/O thread's end of a burst (every loop of it, so at least once per tick) or another
+  thread leaving its own ``held()``. A flush takes every waiting write, whichever thread
+  deferred it, so one batch may mix them, and a thread leaving ``held()`` also submits
+  what the I/O thread deferred in the meantime.
 
 Rules (pure, :func:`groups` and :func:`fit`):
 
@@ -29,9 +41,11 @@ timeout) is handed to each request's ``written`` (:class:`Fanout`); a submit the
 transport refused is handed to each one's ``refused``. A request never learns more or
 less than its own write would have told it, plus how many others shared the write.
 
-Thread-safety: :meth:`WriteBatcher.defer` and :meth:`WriteBatcher.flush` run on the
-control I/O thread only (``defer`` refuses any other); :meth:`WriteBatcher.close` from
-any thread once that thread stopped; it reports every write still waiting as refused.
+Thread-safety: :meth:`WriteBatcher.defer` takes writes on the control I/O thread and on
+a thread inside ``held()`` (it refuses any other, and every thread once closed);
+:meth:`WriteBatcher.flush` runs on either (the I/O thread after each burst, a thread
+leaving ``held()``); :meth:`WriteBatcher.close` from any thread once the I/O thread
+stopped; it reports every write still waiting, whichever thread deferred it, as refused.
 """
 
 from __future__ import annotations
@@ -155,7 +169,8 @@ class WriteBatcher:
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
         """Within this context, writes decided on the calling thread are held and
-        submitted, batched, when it exits (the outermost one, if nested)."""
+        submitted, batched, when it exits (the outermost one, if nested), unless an
+        earlier flush takes them (see the module docstring)."""
         self._held.depth += 1
         try:
             yield
