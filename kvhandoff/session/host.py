@@ -188,9 +188,10 @@ class RankHost(Protocol):
         ...
 
     def defer_write(self, write: BatchedWrite) -> bool:
-        """Prefill: take ``write`` into the batch the control I/O thread submits once it
-        handled every message that is ready (True); False when the caller must submit it
-        now (not on that thread, or closing). See :mod:`kvhandoff.session.write_batch`."""
+        """Prefill: take ``write`` into a batch (True): the control I/O thread's, submitted
+        once it handled every message that is ready, or the calling thread's inside
+        ``Agent.batched_writes()``, submitted when that exits. False when the caller must
+        submit it now (neither, or closing). See :mod:`kvhandoff.session.write_batch`."""
         ...
 
     def write_failed(self, peer: DecodePeer) -> None:

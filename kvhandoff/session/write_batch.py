@@ -17,12 +17,11 @@ other thread's writes):
 
 * outside any ``held()`` block on its thread, ``defer`` refuses such a write and its
   request submits it at once, unbatched;
-* inside one, it waits with the I/O thread's deferred writes and goes out with the
-  first flush that follows: the outermost ``held()`` exit on its thread, or sooner the
-  I/O thread's end of a burst (every loop of it, so at least once per tick) or another
-  thread leaving its own ``held()``. A flush takes every waiting write, whichever thread
-  deferred it, so one batch may mix them, and a thread leaving ``held()`` also submits
-  what the I/O thread deferred in the meantime.
+* inside one, it is held for that thread alone and submitted, batched with the thread's
+  other held writes, when the outermost ``held()`` exits: never earlier, and never by
+  another thread (the I/O thread's end of a burst submits only the writes the I/O thread
+  deferred), so what an engine hands over together goes out together however long it
+  takes and whatever the I/O thread does meanwhile.
 
 Rules (pure, :func:`groups` and :func:`fit`):
 
@@ -43,9 +42,9 @@ less than its own write would have told it, plus how many others shared the writ
 
 Thread-safety: :meth:`WriteBatcher.defer` takes writes on the control I/O thread and on
 a thread inside ``held()`` (it refuses any other, and every thread once closed);
-:meth:`WriteBatcher.flush` runs on either (the I/O thread after each burst, a thread
-leaving ``held()``); :meth:`WriteBatcher.close` from any thread once the I/O thread
-stopped; it reports every write still waiting, whichever thread deferred it, as refused.
+:meth:`WriteBatcher.flush` runs on the I/O thread (after each burst), a ``held()`` exit on
+its own thread; :meth:`WriteBatcher.close` from any thread once the I/O thread stopped;
+it reports every write still waiting, whichever thread deferred it, as refused.
 """
 
 from __future__ import annotations
@@ -162,42 +161,51 @@ class WriteBatcher:
         self._on_io_thread = on_io_thread
         self._max_bytes = max_bytes
         self._lock = threading.Lock()
-        self._waiting: list[BatchedWrite] = []
+        self._waiting: list[BatchedWrite] = []  # the I/O thread's burst
+        self._holding: dict[int, list[BatchedWrite]] = {}  # per thread inside held()
         self._closed = False
         self._held = _Held()
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
         """Within this context, writes decided on the calling thread are held and
-        submitted, batched, when it exits (the outermost one, if nested), unless an
-        earlier flush takes them (see the module docstring)."""
+        submitted, batched, when it exits (the outermost one, if nested); no other
+        thread's flush takes them."""
         self._held.depth += 1
         try:
             yield
         finally:
             self._held.depth -= 1
             if not self._held.depth:
-                self.flush()
+                with self._lock:
+                    mine = self._holding.pop(threading.get_ident(), [])
+                self._submit_all(mine)
 
     def defer(self, write: BatchedWrite) -> bool:
         """Take ``write`` into the current burst (True), or refuse (False: neither the
         I/O thread nor a thread inside :meth:`held`, or closed): the caller then submits
         it itself."""
-        if not (self._held.depth or self._on_io_thread()):
+        holding = self._held.depth > 0
+        if not (holding or self._on_io_thread()):
             return False
         with self._lock:
             if self._closed:
                 return False
-            self._waiting.append(write)
+            if holding:
+                self._holding.setdefault(threading.get_ident(), []).append(write)
+            else:
+                self._waiting.append(write)
         return True
 
     def flush(self) -> None:
-        """Submit every deferred write, batched (the I/O thread at the end of a burst, or
-        a thread leaving :meth:`held`)."""
+        """Submit the I/O thread's deferred writes, batched (at the end of its burst)."""
         if not self._waiting:  # the common case, every loop of the I/O thread: no lock
             return
         with self._lock:
             waiting, self._waiting = self._waiting, []
+        self._submit_all(waiting)
+
+    def _submit_all(self, waiting: list[BatchedWrite]) -> None:
         for batch in groups(waiting, self._max_bytes):
             peer = batch[0].peer
             for part, data in fit(batch, functools.partial(self._notice, peer)):
@@ -208,6 +216,9 @@ class WriteBatcher:
         with self._lock:
             self._closed = True
             waiting, self._waiting = self._waiting, []
+            for held in self._holding.values():
+                waiting += held
+            self._holding.clear()
         for w in waiting:
             w.refused("the agent closed before the write was submitted", 0)
 

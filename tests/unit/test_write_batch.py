@@ -6,6 +6,7 @@ so a test decides when (and how) each batch's write ends."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -286,6 +287,39 @@ def test_off_the_io_thread_writes_are_not_deferred_unless_held() -> None:
     ((_, plan, _),) = rig.transport.submits
     assert plan.nbytes == 2 * 64
     assert not rig.batcher.defer(write(a, 4, ends))  # outside again
+
+
+def test_held_writes_wait_for_their_threads_exit_whatever_the_io_thread_flushes() -> None:
+    rig, ends = Rig(), Ends()
+    a = peer("a")
+    io_deferred: list[bool] = []
+
+    def io_burst() -> None:  # the I/O thread: defers 3, then ends its burst
+        io_deferred.append(rig.batcher.defer(write(a, 3, ends)))
+        rig.batcher.flush()  # its own write only
+
+    with rig.batcher.held():  # this thread holds 1 and 2
+        assert rig.batcher.defer(write(a, 1, ends))
+        io = threading.Thread(target=io_burst)
+        io.start()
+        io.join()
+        assert io_deferred == [True]
+        assert rig.batcher.defer(write(a, 2, ends))
+        assert [[s.request_id for s in decode_notice(n).statuses]  # type: ignore[arg-type]
+                for _, _, n in rig.transport.submits] == [[3]]
+    assert [[s.request_id for s in decode_notice(n).statuses]  # type: ignore[arg-type]
+            for _, _, n in rig.transport.submits] == [[3], [1, 2]]
+
+
+def test_close_refuses_the_writes_a_thread_still_holds() -> None:
+    rig, ends = Rig(), Ends()
+    with rig.batcher.held():
+        assert rig.batcher.defer(write(peer("a"), 1, ends))
+        rig.batcher.close()
+        assert ends.calls == [("refused", 1, "the agent closed before the write was "
+                               "submitted", 0)]
+        assert not rig.batcher.defer(write(peer("a"), 2, ends))
+    assert rig.transport.submits == []
 
 
 def test_a_refused_batch_refuses_exactly_its_writes_naming_why() -> None:
