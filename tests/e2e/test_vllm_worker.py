@@ -24,9 +24,13 @@ from kvhandoff.integrations.vllm.layout import GroupInfo, MambaInfo, TensorInfo,
 from kvhandoff.integrations.vllm.requests import RecvReq, SendReq, StepMeta
 from kvhandoff.integrations.vllm.worker import AuxRows, WorkerSide, block_bytes
 from kvhandoff.layout import Region
+from kvhandoff.plan import Plan
+from kvhandoff.protocol import decode_notice
 from kvhandoff.session.bootstrap import BootstrapServer
 from kvhandoff.session.config import SessionConfig
+from kvhandoff.transport.base import Handle, Peer, Transport
 from kvhandoff.transport.registry import transport_class
+from kvhandoff.transport.tcp import TcpTransport
 
 BLOCKS, BS, HEADS, C = 8, 32, 2, 128  # C: K|V of one token, bf16 elements
 PAGE = HEADS * BS * C * 2
@@ -56,12 +60,16 @@ class Side:
         return self.pool if self.device is None else self.device.cpu().numpy()
 
 
-def _config(instance: str, transport: str = "tcp") -> SessionConfig:
+def _config(instance: str, transport: str = "tcp", heartbeat: float | None = None
+            ) -> SessionConfig:
+    beats = {} if heartbeat is None else {"heartbeat_interval": heartbeat,
+                                          "heartbeat_timeout": 2 * heartbeat}
     return SessionConfig(instance=instance, transport=transport, bootstrap_timeout=10,
-                         indices_timeout=10, release_timeout=5, transfer_timeout=10)
+                         indices_timeout=10, release_timeout=5, transfer_timeout=10, **beats)
 
 
-def _side(url: str, producer: bool, fill: bool, instance: str) -> Side:
+def _side(url: str, producer: bool, fill: bool, instance: str, *,
+          transport: Transport | None = None, heartbeat: float | None = None) -> Side:
     pool = np.zeros(BLOCKS * PAGE, np.uint8)
     if fill:
         pool[:] = np.random.default_rng(7).integers(0, 256, pool.size, dtype=np.uint8)
@@ -78,7 +86,8 @@ def _side(url: str, producer: bool, fill: bool, instance: str) -> Side:
                           extra_regions=(Region(ptr=aux.ptr, nbytes=aux.nbytes),),
                           identity=[("model", "test")])
     return Side(WorkerSide(layout, rows, producer=producer, bootstrap=url,
-                           config=_config(instance), kv_name="g1.full"), pool)
+                           config=_config(instance, heartbeat=heartbeat), kv_name="g1.full",
+                           transport=transport), pool)
 
 
 def _staged_side(url: str, producer: bool, fill: bool, instance: str, transport: str,
@@ -270,3 +279,58 @@ def test_a_send_with_a_block_outside_the_cache_fails_alone(
     p.worker.start(StepMeta(sends=[SendReq("p-x", ((BLOCKS,), (1,)), 20)]))
     _until(p, "p-x", 0)
     assert p.worker.stats.take()["outcomes"][0][1] != "success"
+
+
+class CountingTcp(TcpTransport):
+    """Records how many statuses each submit's in-band notice carried."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.notices: list[int] = []
+
+    def submit(self, peer: Peer, plan: Plan, *, notice: bytes | None = None) -> Handle:
+        self.notices.append(0 if notice is None else len(decode_notice(notice).statuses))
+        return super().submit(peer, plan, notice=notice)
+
+
+def test_a_steps_sends_whose_indices_are_in_go_out_as_one_write() -> None:
+    """Decode's indices for three requests reach prefill before its step starts them
+    (vLLM's usual order when decode is idle): the step's three writes are decided on
+    the step thread and go out as one submit whose notice carries the three statuses."""
+    t = CountingTcp()
+    with BootstrapServer() as srv:
+        name = f"vllm-batched-{time.monotonic_ns()}"
+        # heartbeats every minute: the only messages prefill gets are Hello and the indices
+        p = _side(srv.url, True, True, name, transport=t, heartbeat=60.0)
+        try:
+            d = _side(srv.url, False, False, name, heartbeat=60.0)  # handshakes now
+        except BaseException:
+            p.worker.close()
+            raise
+        try:
+            heard = p.worker.agent.stats["received"]
+            blocks = [((1 + i,), (4 + i,)) for i in range(3)]  # (Mamba, attention) each
+            d.worker.start(StepMeta(recvs=[
+                RecvReq(f"d-{i}", f"p-{i}", srv.url, name, b, 0, 20)
+                for i, b in enumerate(blocks)]))
+            deadline = time.monotonic() + 30
+            while p.worker.agent.stats["received"] < heard + 3:  # the three TransferInits
+                assert time.monotonic() < deadline, "decode's indices never reached prefill"
+                time.sleep(0.005)
+            p.worker.start(StepMeta(sends=[SendReq(f"p-{i}", b, 20)
+                                           for i, b in enumerate(blocks)]))
+            for side, which, ids in ((d, 1, {"d-0", "d-1", "d-2"}), (p, 0, {"p-0", "p-1", "p-2"})):
+                got: set[str] = set()
+                while not ids <= got:  # finished() reports each request once
+                    assert time.monotonic() < deadline, f"finished {got}, want {ids}"
+                    got |= side.worker.finished()[which]
+                    time.sleep(0.005)
+            assert t.notices == [3], t.notices
+            for src_dst in blocks:
+                for name_, ids in zip(("g0.mamba", "g1.full"), src_dst, strict=True):
+                    assert np.array_equal(block_bytes(p.worker.layout, name_, list(ids)),
+                                          block_bytes(d.worker.layout, name_, list(ids)))
+            assert [o for _, o in d.worker.stats.take()["outcomes"]] == ["success"] * 3
+        finally:
+            d.worker.close()
+            p.worker.close()

@@ -186,15 +186,18 @@ class WorkerSide:
 
     def start(self, meta: StepMeta) -> None:
         """Open this step's handoffs. One that cannot start fails alone (its blocks are
-        reported like any failure's); it never takes vLLM's engine down."""
-        for s in meta.sends:
-            try:
-                self._send(s)
-            except Exception as e:  # a bad request must not kill the engine loop
-                log.exception("request %s: cannot start its handoff", s.request_id)
-                out = self._out.get(s.request_id)
-                if out is not None:
-                    out.sender.abort(f"could not start: {e}")
+        reported like any failure's); it never takes vLLM's engine down. The writes of
+        the step's sends whose decode indices are already in go out together, one submit
+        per decode rank (``Agent.batched_writes``)."""
+        with self.agent.batched_writes():
+            for s in meta.sends:
+                try:
+                    self._send(s)
+                except Exception as e:  # a bad request must not kill the engine loop
+                    log.exception("request %s: cannot start its handoff", s.request_id)
+                    out = self._out.get(s.request_id)
+                    if out is not None:
+                        out.sender.abort(f"could not start: {e}")
         for r in meta.recvs:
             try:
                 self._receive(r)
