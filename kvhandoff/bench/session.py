@@ -21,7 +21,10 @@ Runs over loopback tcp by default (``--transport`` picks another).
   together), rounds alternating between the two; the ratio of the medians and how the
   rate scales with the number of requests in flight (the plot's middle panel). Goal at
   64: ≥ 0.8× raw. Each side builds its requests' index lists before the clock starts,
-  as the raw side builds its plans: an engine already holds them.
+  as the raw side builds its plans: an engine already holds them. Prefill hands a
+  round's requests over inside ``Agent.batched_writes()``, as an engine step does (the
+  vLLM connector's ``start``): the writes of requests whose indices are already in go
+  out together instead of one submit each.
 * **big** — one hybrid request of ~64 MiB (16 layers: 12 GDN with their SSM/conv state,
   4 attention layers of KV) in one chunk: session handoff time next to the bare
   transport time for the same plan, alternating (each session handoff is followed by a
@@ -234,11 +237,12 @@ def _prefill_rounds(conn: Connection, agent: Agent, raw: Transport, peer: Peer,
     for r in range(rounds):
         conn.recv()  # go
         senders = []
-        for i, req in enumerate(reqs):
-            s = Sender(agent, r * n + i)
-            s.init(len(req["kv"].src), int(req["aux"].src[0]))
-            _send_all(s, req, src)  # queued until decode's indices arrive
-            senders.append(s)
+        with agent.batched_writes():  # one engine step hands them all over
+            for i, req in enumerate(reqs):
+                s = Sender(agent, r * n + i)
+                s.init(len(req["kv"].src), int(req["aux"].src[0]))
+                _send_all(s, req, src)  # queued until decode's indices arrive
+                senders.append(s)
         bad = [str(s.reason) for s in senders if s.wait(TIMEOUT) is not Status.SUCCESS]
         conn.send(bad)
         conn.recv()  # raw
