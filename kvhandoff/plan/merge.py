@@ -19,10 +19,11 @@ import numpy as np
 from kvhandoff.plan.model import Plan, TensorPlan, _entry
 from kvhandoff.plan.request import IndexArray
 
-# what must agree for two entries to become one (everything but the index arrays)
-_FIXED = ("component", "tensor", "layer_id", "src_ptr", "dst_ptr", "src_unit", "dst_unit",
-          "pieces", "_per_unit")
-_fixed_key = operator.attrgetter(*_FIXED[:7])  # all but the pieces, which go by content
+# what must agree for two entries to become one (everything but the index arrays): the
+# fields compared as they are, then the pieces, compared by content
+_KEYED = ("component", "tensor", "layer_id", "src_ptr", "dst_ptr", "src_unit", "dst_unit")
+_FIXED = (*_KEYED, "pieces", "_per_unit")  # what a merged entry copies from the first
+_fixed_key = operator.attrgetter(*_KEYED)
 _pieces = operator.attrgetter("pieces")
 
 
