@@ -42,9 +42,10 @@ less than its own write would have told it, plus how many others shared the writ
 
 Thread-safety: :meth:`WriteBatcher.defer` takes writes on the control I/O thread and on
 a thread inside ``held()`` (it refuses any other, and every thread once closed);
-:meth:`WriteBatcher.flush` runs on the I/O thread (after each burst), a ``held()`` exit on
-its own thread; :meth:`WriteBatcher.close` from any thread once the I/O thread stopped;
-it reports every write still waiting, whichever thread deferred it, as refused.
+:meth:`WriteBatcher.flush` runs on the I/O thread (after each burst), and a ``held()``
+exit submits its own thread's writes; :meth:`WriteBatcher.close` from any thread once
+the I/O thread stopped; it reports every write still waiting, whichever thread deferred
+it, as refused.
 """
 
 from __future__ import annotations
@@ -182,7 +183,8 @@ class WriteBatcher:
                 self._submit_all(mine)
 
     def defer(self, write: BatchedWrite) -> bool:
-        """Take ``write`` into the current burst (True), or refuse (False: neither the
+        """Take ``write`` (True): into the calling thread's hold when it is inside
+        :meth:`held`, else into the I/O thread's burst; or refuse (False: neither the
         I/O thread nor a thread inside :meth:`held`, or closed): the caller then submits
         it itself."""
         holding = self._held.depth > 0
