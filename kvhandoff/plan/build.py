@@ -8,7 +8,6 @@ from kvhandoff.errors import OutOfBounds, PlanError
 from kvhandoff.layout import Layout, TensorSpec
 from kvhandoff.plan.compat import (
     ComponentPair,
-    LayoutPair,
     TensorPair,
     UnitKind,
     UnitsKey,
@@ -42,7 +41,7 @@ def _plan_general(src: Layout, dst: Layout, request: Request) -> Plan:
 
 
 def _plan(src: Layout, dst: Layout, request: Request, component: _ComponentFn) -> Plan:
-    pair = _paired(src, dst)
+    pair = pair_layouts(src, dst)
     if request.keys() != pair.names:
         unknown = set(request) - pair.names
         missing = pair.names - set(request)
@@ -58,26 +57,6 @@ def _plan(src: Layout, dst: Layout, request: Request, component: _ComponentFn) -
             entries.extend(component(comp, idx, notes))
     return Plan(entries=tuple(entries), src_tp_rank=src.tp_rank, dst_tp_rank=dst.tp_rank,
                 notes=tuple(notes))
-
-
-# (id(src), id(dst)) → the pair of those very objects. ``pair_layouts``' cache finds a
-# pair by equality, and layouts decoded from two messages are equal but not the same
-# object: each lookup then compares them field by field. A session plans every request
-# with the same two objects, so a lookup by identity first skips that. An entry keeps
-# its layouts alive, so an id in the table cannot be reused while the entry is there.
-_by_identity: dict[tuple[int, int], tuple[Layout, Layout, LayoutPair]] = {}
-_IDENTITY_MAX = 256
-
-
-def _paired(src: Layout, dst: Layout) -> LayoutPair:
-    hit = _by_identity.get((id(src), id(dst)))
-    if hit is not None and hit[0] is src and hit[1] is dst:
-        return hit[2]
-    pair = pair_layouts(src, dst)
-    if len(_by_identity) >= _IDENTITY_MAX:
-        _by_identity.clear()
-    _by_identity[(id(src), id(dst))] = (src, dst, pair)
-    return pair
 
 
 class _UnitCache:

@@ -128,12 +128,28 @@ def answer_hello(
     memory_kinds: Collection[MemoryKind] | None = None,
 ) -> HelloAck | HelloReject:
     """The prefill rank's reply to ``hello``, given its own ``layout``, ``transport``
-    name and ``rank``. Pure: decoding the peer's layout, checking the pair, and asking
-    the planner whether this rank writes into that decode rank."""
+    name and ``rank``. Pure: decoding the peer's layout, then :func:`check_hello`."""
     try:
         peer = layout_from_msg(hello.layout)
     except ProtocolError as e:
         return HelloReject(protocol_version=PROTOCOL_VERSION, rank=rank, problems=(str(e),))
+    return check_hello(hello, peer, layout=layout, transport=transport, rank=rank,
+                       memory_kinds=memory_kinds)
+
+
+def check_hello(
+    hello: Hello,
+    peer: Layout,
+    *,
+    layout: Layout,
+    transport: str,
+    rank: RankId,
+    memory_kinds: Collection[MemoryKind] | None = None,
+) -> HelloAck | HelloReject:
+    """:func:`answer_hello` with the peer's layout already decoded (``peer``, from
+    ``hello.layout``): checking the pair, and asking the planner whether this rank
+    writes into that decode rank. A caller that keeps ``peer`` then plans with the very
+    object the planner's pair cache was filled with here."""
     problems = []
     said = (hello.rank.tp_rank, hello.rank.tp_size, hello.rank.pp_rank, hello.rank.pp_size)
     has = (peer.tp_rank, peer.tp_size, peer.pp_rank, peer.pp_size)

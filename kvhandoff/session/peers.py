@@ -4,7 +4,7 @@ For each ``Hello`` (on one of this table's own ``MAX_DIALS`` dial threads, since
 connecting may block up to the transport's connect timeout; never on the agent's worker
 pool, so Hellos naming endpoints that never answer cannot hold it; beyond
 ``MAX_QUEUED_HELLOS`` waiting, a Hello is rejected at once as busy): check the pair
-with :func:`~kvhandoff.session.compat.answer_hello`; if it is compatible, connect this
+with :func:`~kvhandoff.session.compat.check_hello`; if it is compatible, connect this
 rank's transport to the decode rank's transport endpoint (prefill *writes* into decode
 memory); answer ``HelloAck`` (with this rank's
 layout, so decode can rebuild plans to verify checksums) or ``HelloReject`` naming every
@@ -44,11 +44,12 @@ from kvhandoff.protocol import (
     HelloAck,
     HelloReject,
     Message,
+    ProtocolError,
     RankId,
     layout_from_msg,
     layout_to_msg,
 )
-from kvhandoff.session.compat import answer_hello
+from kvhandoff.session.compat import check_hello
 from kvhandoff.transport.base import Peer, Transport
 from kvhandoff.transport.errors import TransportError
 from kvhandoff.transport.throttle import Throttle
@@ -144,20 +145,22 @@ class DecodePeers:
 
     def answer(self, sender: str | None, hello: Hello) -> None:
         """Check, connect, store and answer one Hello (worker thread)."""
-        reply = self._check(sender, hello)
+        reply, layout = self._check(sender, hello)
         if isinstance(reply, HelloAck):
-            reply = self._accept(hello, reply)
+            assert layout is not None
+            reply = self._accept(hello, layout, reply)
         if isinstance(reply, HelloReject):
             log.warning("rejected Hello from %s (%s): %s", hello.control_endpoint, hello.rank,
                         "; ".join(reply.problems))
         self._send(hello.control_endpoint, reply)
 
-    def _accept(self, hello: Hello, ack: HelloAck) -> HelloAck | HelloReject:
-        """Connect to and keep a compatible rank, unless the cap is reached."""
+    def _accept(self, hello: Hello, layout: Layout, ack: HelloAck) -> HelloAck | HelloReject:
+        """Connect to and keep a compatible rank (its decoded ``layout``), unless the cap
+        is reached."""
         full = self._full(hello.control_endpoint)
         if full is not None:
             return self._reject(full)
-        peer = self._connect(hello, ack)
+        peer = self._connect(hello, layout, ack)
         if isinstance(peer, HelloReject):
             return peer
         old = self._store(peer)
@@ -176,15 +179,23 @@ class DecodePeers:
         return self._reject("Hello from a client with no control endpoint; a decode rank "
                             "sends its Hello from the endpoint it advertises")
 
-    def _check(self, sender: str | None, hello: Hello) -> HelloAck | HelloReject:
+    def _check(self, sender: str | None, hello: Hello
+               ) -> tuple[HelloAck | HelloReject, Layout | None]:
+        """The answer to ``hello``, and the decode rank's layout once decoded."""
         if sender is not None and sender != hello.control_endpoint:
             return self._reject(f"Hello came from {sender} but names control endpoint "
                                 f"{hello.control_endpoint}; each rank must send from the "
-                                f"endpoint it advertises")
-        return answer_hello(hello, layout=self._layout, transport=self._transport.name,
-                            rank=self._rank, memory_kinds=self._transport.capabilities.memory)
+                                f"endpoint it advertises"), None
+        try:
+            layout = layout_from_msg(hello.layout)
+        except ProtocolError as e:
+            return self._reject(str(e)), None
+        return check_hello(hello, layout, layout=self._layout, transport=self._transport.name,
+                           rank=self._rank,
+                           memory_kinds=self._transport.capabilities.memory), layout
 
-    def _connect(self, hello: Hello, ack: HelloAck) -> DecodePeer | HelloReject:
+    def _connect(self, hello: Hello, layout: Layout, ack: HelloAck
+                 ) -> DecodePeer | HelloReject:
         try:
             tpeer = self._transport.connect(hello.transport_endpoint)
         except TransportError as e:
@@ -192,9 +203,8 @@ class DecodePeers:
                 f"prefill {self._rank} cannot reach decode {hello.rank}'s {hello.transport} "
                 f"transport endpoint: {e}; check that decode's transport listens on an "
                 f"address prefill can route to")
-        # answer_hello decoded the layout already; decoding again keeps it a pure function
         return DecodePeer(endpoint=hello.control_endpoint, rank=hello.rank,
-                          layout=layout_from_msg(hello.layout), transport_peer=tpeer,
+                          layout=layout, transport_peer=tpeer,
                           writes=ack.writes, notices=hello.notices,
                           transport_endpoint=hello.transport_endpoint)
 

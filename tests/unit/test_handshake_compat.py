@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import replace
+from typing import Any
 
 import msgspec
 import pytest
@@ -191,3 +192,45 @@ def test_all_sliding_window_layers_pair_without_a_kv_component() -> None:
     for tp, td in [(1, 1), (2, 1), (1, 2), (2, 4)]:
         for t, d in itertools.product(range(tp), range(td)):
             assert report(lay(sh, tp_rank=t, tp_size=tp), lay(sh, tp_rank=d, tp_size=td)) == []
+
+
+class _Dialed:
+    closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_an_accepted_rank_keeps_the_layout_its_hello_was_checked_with(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode layout a Hello carries is decoded once: the object the pair was checked
+    with (filling the planner's pair cache) is the one the session plans every request
+    with, so no plan compares two equal layouts field by field."""
+    from types import SimpleNamespace
+
+    import kvhandoff.session.peers as peers_mod
+
+    checked: list[Layout] = []
+    check = peers_mod.check_hello
+
+    def spy(h: Hello, peer: Layout, **kw: Any) -> HelloAck | HelloReject:
+        checked.append(peer)
+        return check(h, peer, **kw)
+
+    monkeypatch.setattr(peers_mod, "check_hello", spy)
+    mine, theirs = lay(tp_rank=1, tp_size=2), lay(tp_rank=1, tp_size=2)
+    dialed = _Dialed()
+    transport = SimpleNamespace(name="tcp", capabilities=SimpleNamespace(memory=None),
+                                connect=lambda endpoint: dialed)
+    sent: list[tuple[str, object]] = []
+    table = peers_mod.DecodePeers(layout=mine, transport=transport,  # type: ignore[arg-type]
+                                  rank=PREFILL, send=lambda ep, m: sent.append((ep, m)))
+    try:
+        h = hello(theirs)
+        table.answer(h.control_endpoint, h)
+        assert [type(m) for _, m in sent] == [HelloAck]
+        kept = table.get(h.control_endpoint)
+        assert kept is not None and kept.transport_peer is dialed
+        assert kept.layout == theirs and len(checked) == 1 and kept.layout is checked[0]
+    finally:
+        table.close()
