@@ -22,14 +22,13 @@ from kvhandoff.protocol import (
     AbortAck,
     ErrorCode,
     ErrorReply,
-    Outcome,
     RequestId,
     TransferInit,
-    TransferStatus,
 )
 from kvhandoff.session.control import ControlChannel, Origin
 from kvhandoff.session.host import RankHost
 from kvhandoff.session.peers import DecodePeer, DecodePeers
+from kvhandoff.session.send_core import failed_answer
 
 
 def unknown_peer(origin: Origin, msg: TransferInit, peer: DecodePeer | None) -> ErrorReply:
@@ -44,11 +43,9 @@ def unknown_peer(origin: Origin, msg: TransferInit, peer: DecodePeer | None) -> 
 def tell_failed(host: RankHost, endpoint: str, rid: RequestId, reason: str, *,
                 ack: bool) -> None:
     """Tell a decode rank ``rid`` failed here; ``ack``: and that no write to it is in
-    flight (an ``AbortAck``)."""
-    host.post(endpoint, TransferStatus(request_id=rid, rank=host.rank_id, chunk=0,
-                                       last=True, outcome=Outcome.FAILED, reason=reason))
-    if ack:
-        host.post(endpoint, AbortAck(request_id=rid, rank=host.rank_id))
+    flight (an ``AbortAck``). The same answer a Sender gives (:func:`failed_answer`)."""
+    for msg in failed_answer(rid, host.rank_id, reason, ack=ack):
+        host.post(endpoint, msg)
 
 
 def ack_abort(host: RankHost, control: ControlChannel, peers: DecodePeers, origin: Origin,

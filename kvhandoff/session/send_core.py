@@ -122,6 +122,19 @@ class _Target:
     finished: bool = False  # its final status (success or failure) went out
 
 
+def failed_answer(request_id: RequestId, rank: RankId, reason: str, *, ack: bool,
+                  chunk: int = 0) -> list[TransferStatus | AbortAck]:
+    """A failed request's last word to a decode rank: a FAILED status for its last chunk
+    (``chunk``) with ``reason``, then, when ``ack``, an ``AbortAck`` (nothing of ours is
+    in flight to that rank: it may reuse its pages)."""
+    out: list[TransferStatus | AbortAck] = [TransferStatus(
+        request_id=request_id, rank=rank, chunk=chunk, last=True, outcome=Outcome.FAILED,
+        reason=reason)]
+    if ack:
+        out.append(AbortAck(request_id=request_id, rank=rank))
+    return out
+
+
 def _batched(shared: int) -> str:
     return "" if not shared else \
         f" (one batched write with {shared} other chunk(s) to that rank, all failed alike)"
@@ -408,10 +421,9 @@ class SendCore(CoreBase):
     def _answer_late(self, endpoint: str) -> None:
         """Indices for a request that already ended here: say so, and that nothing is
         in flight to that rank (it was never written to)."""
-        self._emit(Post(endpoint, TransferStatus(
-            request_id=self.request_id, rank=self.rank, chunk=0, last=True,
-            outcome=Outcome.FAILED, reason=self.reason or "failed")))
-        self._emit(Post(endpoint, AbortAck(request_id=self.request_id, rank=self.rank)))
+        for msg in failed_answer(self.request_id, self.rank, self.reason or "failed",
+                                 ack=True):
+            self._emit(Post(endpoint, msg))
 
     def _maybe_bootstrapped(self) -> None:
         if (self.status is not Status.BOOTSTRAPPING or self.num_pages is None
@@ -511,10 +523,9 @@ class SendCore(CoreBase):
         for t in self.targets.values():
             if not t.finished:
                 t.finished = True
-                self._emit(Post(t.endpoint, TransferStatus(
-                    request_id=self.request_id, rank=self.rank,
-                    chunk=max(t.submitted - 1, 0), last=True, outcome=Outcome.FAILED,
-                    reason=str(error))))
+                for msg in failed_answer(self.request_id, self.rank, str(error), ack=False,
+                                         chunk=max(t.submitted - 1, 0)):
+                    self._emit(Post(t.endpoint, msg))
         self._maybe_settled()
 
     def _maybe_settled(self) -> None:

@@ -38,6 +38,7 @@ from kvhandoff.session.send_core import (
     StampGuard,
     Write,
     WriteFailed,
+    failed_answer,
 )
 from kvhandoff.session.status import Event, StateMachine
 from kvhandoff.transport.errors import TransportError
@@ -392,6 +393,19 @@ def test_late_indices_are_answered_failed_and_acked() -> None:
     (s,) = statuses(out)
     assert s.outcome is Outcome.FAILED and "early" in s.reason
     assert [p.endpoint for p in posts(out, AbortAck)] == [ep()]
+
+
+def test_late_indices_get_the_answer_the_desk_gives_for_a_failed_request() -> None:
+    """A Sender that already failed and the desk's tombstone (no Sender any more) answer
+    late indices alike: one shared builder, FAILED status then AbortAck."""
+    core, sh = new()
+    sh.do(core.abort("early"))
+    out = sh.do(core.indices(ep(), decode(), LAYOUT, init_msg(decode())))
+    want = failed_answer(core.request_id, core.rank, core.reason or "", ack=True)
+    assert [(p.endpoint, p.msg) for p in out if isinstance(p, Post)] == \
+        [(ep(), m) for m in want]
+    assert [type(m) for m in want] == [TransferStatus, AbortAck]
+    assert [type(m) for m in failed_answer(1, core.rank, "x", ack=False)] == [TransferStatus]
 
 
 def test_indices_twice_from_one_rank_are_ignored() -> None:
