@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from kvhandoff.observe.timeline import Timeline
 from kvhandoff.protocol import RequestId
@@ -42,13 +42,17 @@ class RequestSide:
         self._lock = threading.RLock()
         self._sm = StateMachine(name=f"{role} request {request_id!r}")
         self.timeline = Timeline()  # when this request reached each event on this rank
-        self.component_bytes: Counter[str] = Counter()  # bytes planned per component
         self._created = time.monotonic()
 
     @property
     def peers(self) -> list[str]:
         """The ranks of the other side this request dealt with (``instance/tpN``)."""
         return []
+
+    @property
+    def component_bytes(self) -> Mapping[str, int]:
+        """Bytes planned per component (a Sender's; empty on decode)."""
+        return {}
 
     def _stamp(self, event: str) -> float | None:
         """When ``event``, which the core just reached, really happened, if this side

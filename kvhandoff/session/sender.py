@@ -50,6 +50,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
+from collections import Counter
 from collections.abc import Mapping
 
 from kvhandoff.errors import HandoffError
@@ -88,6 +89,7 @@ class Sender(RequestSide):
         self._peers: dict[str, DecodePeer] = {}
         self._settled = threading.Event()
         self._landed: float | None = None  # the latest acknowledgement of our writes
+        self._plans: list[Plan] = []  # every chunk's, for component_bytes
         inits, failed = agent.attach(self)
         with self._lock:
             if failed is not None:
@@ -205,6 +207,16 @@ class Sender(RequestSide):
         with self._lock:
             self._do(self._core.agent_closed())
 
+    @property
+    def component_bytes(self) -> Mapping[str, int]:
+        """Bytes planned per component, summed when asked (a trace writes them), not by
+        every plan."""
+        out: Counter[str] = Counter()
+        with self._lock:
+            for p in self._plans:
+                out.update(p.by_component())
+        return out
+
     def unsafe_endpoints(self) -> frozenset[str]:
         """Decode endpoints a cancelled write of ours may still reach."""
         with self._lock:
@@ -242,7 +254,6 @@ class Sender(RequestSide):
     def _plan(self, e: PlanChunk) -> list[object]:
         try:
             p = plan(self.agent.layout, self._peers[e.endpoint].layout, e.request)
-            self.component_bytes.update(p.by_component())
         except (HandoffError, ValueError) as exc:
             return self._core.plan_failed(str(exc))
         sums, idx = None, None
@@ -250,6 +261,7 @@ class Sender(RequestSide):
             sums = plan_digests(p, "src", self.agent.views)
             idx = {n: PlannedIndicesMsg.of(v) for n, v in e.request.items()
                    if v is not None and n in sums}
+        self._plans.append(p)
         return self._core.planned(p.nbytes, sums, idx, p)
 
     def _write(self, e: Write) -> list[object]:
