@@ -8,6 +8,7 @@ from kvhandoff.errors import OutOfBounds, PlanError
 from kvhandoff.layout import Layout, TensorSpec
 from kvhandoff.plan.compat import (
     ComponentPair,
+    LayoutPair,
     TensorPair,
     UnitKind,
     UnitsKey,
@@ -41,7 +42,7 @@ def _plan_general(src: Layout, dst: Layout, request: Request) -> Plan:
 
 
 def _plan(src: Layout, dst: Layout, request: Request, component: _ComponentFn) -> Plan:
-    pair = pair_layouts(src, dst)
+    pair = _paired(src, dst)
     if request.keys() != pair.names:
         unknown = set(request) - pair.names
         missing = pair.names - set(request)
@@ -57,6 +58,27 @@ def _plan(src: Layout, dst: Layout, request: Request, component: _ComponentFn) -
             entries.extend(component(comp, idx, notes))
     return Plan(entries=tuple(entries), src_tp_rank=src.tp_rank, dst_tp_rank=dst.tp_rank,
                 notes=tuple(notes))
+
+
+# (id(src), id(dst)) → the pair of those very objects. ``pair_layouts``' cache finds a
+# pair by equality, so a lookup with layouts equal to, but not the objects of, the pair
+# it holds compares them field by field, on every plan: an agent built again at the same
+# addresses (a restart in one process, each phase of the session benchmark) plans with
+# new objects while the cache keeps the first agent's. A lookup by identity first skips
+# that. An entry keeps its layouts alive, so its ids cannot be reused while it is here.
+_by_identity: dict[tuple[int, int], tuple[Layout, Layout, LayoutPair]] = {}
+_IDENTITY_MAX = 256
+
+
+def _paired(src: Layout, dst: Layout) -> LayoutPair:
+    hit = _by_identity.get((id(src), id(dst)))
+    if hit is not None and hit[0] is src and hit[1] is dst:
+        return hit[2]
+    pair = pair_layouts(src, dst)
+    if len(_by_identity) >= _IDENTITY_MAX:
+        _by_identity.clear()
+    _by_identity[(id(src), id(dst))] = (src, dst, pair)
+    return pair
 
 
 class _UnitCache:

@@ -28,6 +28,7 @@ from kvhandoff.plan.build import _plan_general, _range
 from kvhandoff.plan.model import _entry
 from kvhandoff.plan.pairing import check_unique
 from kvhandoff.plan.request import as_indices
+from kvhandoff.protocol import layout_from_msg, layout_to_msg
 from kvhandoff.state_types import StateType
 
 Outcome = tuple[str, Any, list[tuple[type, str]]]
@@ -182,6 +183,31 @@ def test_out_of_bounds_in_a_later_component_names_it() -> None:
             "byte 128 of a 96 B tensor")):
         plan(SRC, DST, request)
     assert assert_same(SRC, DST, request) == "error OutOfBounds"
+
+
+def test_layouts_equal_to_the_cached_pair_are_compared_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An agent built again at the same addresses plans with layouts equal to, but not
+    the objects of, the pair the planner's cache holds: the first plan may compare them,
+    the next ones find the pair by identity (no field-by-field comparison per plan)."""
+    src, dst = (layout_from_msg(layout_to_msg(x)) for x in (SRC, DST))
+    assert (src, dst) == (SRC, DST) and src is not SRC and dst is not DST
+    request = _req(([0, 1], [2, 3]))
+    want = plan(SRC, DST, request)  # the cache now holds the first objects' pair
+    compared = []
+    eq = Layout.__eq__
+
+    def counting(a: Layout, b: object) -> bool:
+        compared.append(1)
+        return eq(a, b)
+
+    monkeypatch.setattr(Layout, "__eq__", counting)
+    plan(src, dst, request)
+    first = len(compared)
+    for _ in range(5):
+        got = plan(src, dst, request)
+    assert len(compared) == first
+    assert [_entry_fields(e) for e in got.entries] == [_entry_fields(e) for e in want.entries]
 
 
 # ------------------------------------------------------------------ the small helpers
