@@ -62,10 +62,11 @@ def _plan(src: Layout, dst: Layout, request: Request, component: _ComponentFn) -
 
 # (id(src), id(dst)) → the pair of those very objects. ``pair_layouts``' cache finds a
 # pair by equality, so a lookup with layouts equal to, but not the objects of, the pair
-# it holds compares them field by field, on every plan: an agent built again at the same
-# addresses (a restart in one process, each phase of the session benchmark) plans with
-# new objects while the cache keeps the first agent's. A lookup by identity first skips
-# that. An entry keeps its layouts alive, so its ids cannot be reused while it is here.
+# it holds compares them field by field, on every plan. That happens whenever an equal
+# copy was paired first: an agent built again at the same addresses in one process, or a
+# second decoding of the peer's layout (the session benchmark's raw baseline decodes its
+# own). A lookup by identity first skips that. An entry keeps its layouts alive, so its
+# ids cannot be reused while it is here.
 _by_identity: dict[tuple[int, int], tuple[Layout, Layout, LayoutPair]] = {}
 _IDENTITY_MAX = 256
 
