@@ -16,15 +16,17 @@ Runs over loopback tcp by default (``--transport`` picks another).
 * **metrics overhead** — the same tiny handoffs with the agents' Prometheus metrics on
   and off (``SessionConfig.metrics``), in alternating blocks: the ratio of the p50s.
   Goal: ≤ 1.02×.
-* **throughput** — 64, 256 and 1,024 such requests at once, repeated: handoffs/s, next to
-  the raw tcp transport's requests/s for the same plans (submitted together, waited
+* **throughput** — 64, 256 and 1,024 such requests at once, repeated: handoffs/s, next
+  to the raw tcp transport's requests/s for the same plans (submitted together, waited
   together), rounds alternating between the two; the ratio of the medians and how the
   rate scales with the number of requests in flight (the plot's middle panel). Goal at
-  64: ≥ 0.8× raw. Each side builds its requests' index lists before the clock starts,
-  as the raw side builds its plans: an engine already holds them. Prefill hands a
-  round's requests over inside ``Agent.batched_writes()``, as an engine step does (the
-  vLLM connector's ``start``): the writes of requests whose indices are already in go
-  out together instead of one submit each.
+  64: ≥ 0.8× raw (``--rounds``: how many rounds at 64, default 5 with ``--quick``, else
+  30; 256 and 1,024 run as many requests in fewer rounds, at least 3). Each side builds
+  its requests' index lists before the clock starts, as the raw side builds its plans:
+  an engine already holds them. Prefill hands a round's requests over inside
+  ``Agent.batched_writes()``, as an engine step does (the vLLM connector's ``start``):
+  the writes of requests whose indices are already in go out together instead of one
+  submit each.
 * **big** — one hybrid request of ~64 MiB (16 layers: 12 GDN with their SSM/conv state,
   4 attention layers of KV) in one chunk: session handoff time next to the bare
   transport time for the same plan, alternating (each session handoff is followed by a
@@ -37,7 +39,10 @@ Runs over loopback tcp by default (``--transport`` picks another).
   ``--auth-only`` runs just this comparison.
 
     kvhandoff bench session [--json PATH] [--quick] [--transport NAME] [--control-status]
-                            [--auth | --auth-only]
+                            [--auth | --auth-only | --throughput-only] [--rounds N]
+
+``--throughput-only`` runs just the concurrent rounds; with many (``--rounds 300``) it
+gives the steady-state rate, which a 5-round ``--quick`` median only samples.
 
 On tcp a chunk's status reaches decode in band, with the writes
 (:mod:`kvhandoff.session.notices`); ``--control-status`` sends it over the control
@@ -378,9 +383,13 @@ def _summary(xs: list[float]) -> dict[str, float]:
 
 
 def run(quick: bool, transport: str = "tcp", in_band: bool = True, *, auth: bool = False,
-        only_auth: bool = False) -> dict[str, Any]:
+        only_auth: bool = False, only_throughput: bool = False, rounds: int | None = None
+        ) -> dict[str, Any]:
+    """Every measurement, or only the auth comparison (``only_auth``) or only the
+    concurrent rounds (``only_throughput``); ``rounds``: at 64 concurrent (default 5 with
+    ``quick``, else 30), fewer at 256 and 1,024 (at least 3)."""
     n_lat = 200 if quick else 2000
-    rounds = 5 if quick else 30
+    rounds = rounds if rounds is not None else 5 if quick else 30
     most = max(CONCURRENCY)
     tiny = Case("tiny", "tiny", page=16, tokens=16, pages=most + 2, slots=most + 2)
     big = Case("big", "big", page=64, tokens=13_000, pages=208, slots=2)
@@ -399,6 +408,9 @@ def run(quick: bool, transport: str = "tcp", in_band: bool = True, *, auth: bool
                                                       8 if quick else 40)
             if only_auth:
                 return out
+            if only_throughput:
+                _scaling(out, pair, tiny, rounds)
+                return out
             lat = pair.run("latency", tiny, n_lat)
             t0s, (starts, ends) = lat["prefill"], lat["decode"]
             skip = min(50, n_lat // 10)  # warm-up
@@ -411,9 +423,7 @@ def run(quick: bool, transport: str = "tcp", in_band: bool = True, *, auth: bool
                               "session_overhead_p50_ms": hand["p50_ms"] - raw_lat["p50_ms"],
                               "bytes": _plan_bytes(tiny)}
             out["metrics_overhead"] = _metrics_overhead(pair, tiny, n_lat // 2, skip)
-            out["scaling"] = [_throughput(pair, tiny, n, max(3, rounds * CONCURRENT // n))
-                              for n in CONCURRENCY]
-            out["throughput"] = out["scaling"][0]
+            _scaling(out, pair, tiny, rounds)
             reps = 8 if quick else 40
             bg = pair.run("big", big, reps)
             t0s, (_, ends) = bg["prefill"], bg["decode"]
@@ -428,6 +438,15 @@ def run(quick: bool, transport: str = "tcp", in_band: bool = True, *, auth: bool
         finally:
             pair.close()
     return out
+
+
+def _scaling(out: dict[str, Any], pair: Pair, case: Case, rounds: int) -> None:
+    """``out["scaling"]``: every concurrency of :data:`CONCURRENCY`, ``rounds`` at the
+    headline one and as many requests in all at the others (at least 3 rounds);
+    ``out["throughput"]``: the headline point."""
+    out["scaling"] = [_throughput(pair, case, n, max(3, rounds * CONCURRENT // n))
+                      for n in CONCURRENCY]
+    out["throughput"] = out["scaling"][0]
 
 
 def _throughput(pair: Pair, case: Case, n: int, rounds: int) -> dict[str, Any]:
@@ -532,6 +551,15 @@ def _plot(res: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def _print_scaling(res: dict[str, Any]) -> None:
+    for p in res["scaling"]:
+        verdict = (f"  [goal >= 0.8x: {'met' if p['ratio'] >= 0.8 else 'NOT met'}]"
+                   if p is res["throughput"] else "")
+        print(f"{p['concurrent']} concurrent ({p['rounds']} rounds): {p['handoffs_per_s']:.0f} "
+              f"handoffs/s vs raw transport {p['raw_transport_requests_per_s']:.0f} "
+              f"requests/s = {p['ratio']:.2f}x{verdict}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvhandoff bench session",
                                  description=__doc__.split("\n\n")[0] if __doc__ else None)
@@ -545,9 +573,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="also compare handoffs with the deployment secret and without")
     ap.add_argument("--auth-only", action="store_true",
                     help="run only the comparison with and without the deployment secret")
+    ap.add_argument("--throughput-only", action="store_true",
+                    help="run only the concurrent rounds (with --rounds: a steady state)")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="rounds of 64 concurrent requests (default 5 with --quick, else 30); "
+                         "256 and 1,024 run as many requests in fewer rounds")
     args = ap.parse_args(argv)
+    if args.rounds is not None and args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
     res = run(args.quick, args.transport, in_band=not args.control_status, auth=args.auth,
-              only_auth=args.auth_only)
+              only_auth=args.auth_only, only_throughput=args.throughput_only,
+              rounds=args.rounds)
     if "auth_overhead" in res:
         ao = res["auth_overhead"]
         for name, goal in (("tiny", 1.05), ("tiny_round_trip", 1.05), ("big", 1.01)):
@@ -555,12 +591,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"auth on vs off, {name} handoff (alternating blocks, same run): p50 "
                   f"{ao[f'{name}_auth_p50_ms']:.3f} vs {ao[f'{name}_plain_p50_ms']:.3f} ms = "
                   f"{r:.3f}x [goal <= {goal}x: {'met' if r <= goal else 'NOT met'}]")
-    if args.auth_only:
+    if args.auth_only or args.throughput_only:
+        if args.throughput_only:
+            _print_scaling(res)
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(res, indent=2))
         print(f"wrote {args.json}")
         return 0
-    lat, thr, big = res["latency"], res["throughput"], res["big"]
+    lat, big = res["latency"], res["big"]
     print(f"tiny handoff ({lat['bytes']} B): p50 {lat['handoff']['p50_ms']:.3f} ms, "
           f"p99 {lat['handoff']['p99_ms']:.3f} ms  [goal p50 <= 1 ms: "
           f"{'met' if lat['handoff']['p50_ms'] <= 1.0 else 'NOT met'}]")
@@ -573,12 +611,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{'met' if mo['ratio'] <= 1.02 else 'NOT met'}]")
     print(f"tiny round trip: p50 {lat['round_trip']['p50_ms']:.3f} ms, "
           f"p99 {lat['round_trip']['p99_ms']:.3f} ms")
-    for p in res["scaling"]:
-        verdict = (f"  [goal >= 0.8x: {'met' if p['ratio'] >= 0.8 else 'NOT met'}]"
-                   if p is thr else "")
-        print(f"{p['concurrent']} concurrent: {p['handoffs_per_s']:.0f} handoffs/s vs raw "
-              f"transport {p['raw_transport_requests_per_s']:.0f} requests/s = "
-              f"{p['ratio']:.2f}x{verdict}")
+    _print_scaling(res)
     print(f"big ({big['bytes'] / 2**20:.1f} MiB): session p50 {big['session_ms']['p50_ms']:.1f} "
           f"ms vs bare transport {big['raw_transport_ms']['p50_ms']:.1f} ms = "
           f"{big['ratio']:.2f}x [goal <= 1.1x: {'met' if big['ratio'] <= 1.1 else 'NOT met'}]; "
