@@ -48,6 +48,9 @@ On tcp a chunk's status reaches decode in band, with the writes
 (:mod:`kvhandoff.session.notices`); ``--control-status`` sends it over the control
 socket instead, as on transports without notices.
 
+Both processes freeze the heap start-up left (``gc.freeze()``) before measuring, as
+vLLM's engine core does once it is up; the raw baseline shares that heap.
+
 Writes JSON (default ``benchmarks/results/session.json``) and a PNG next to it. Measures
 only; the test suite asserts correctness.
 """
@@ -55,7 +58,9 @@ only; the test suite asserts correctness.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -64,6 +69,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -186,14 +192,29 @@ def _prefill(conn: Connection, url: str, transport: str, secret_file: str) -> No
             plans = [plan(src, dst, _request(case, src, dst, i)) for i in range(count)]
             for _ in range(3):  # warm the raw connection up
                 _raw_once(raw, peer, plans)
-            if _kind(phase) == "throughput":
-                _prefill_rounds(conn, agent, raw, peer, plans, case, src, dst, n, rounds)
-            else:
-                conn.send(_prefill_one_by_one(agent, raw, peer, plans, case, src, dst, n,
-                                              interleave=_kind(phase) == "big"))
+            with _static_heap():
+                if _kind(phase) == "throughput":
+                    _prefill_rounds(conn, agent, raw, peer, plans, case, src, dst, n, rounds)
+                else:
+                    conn.send(_prefill_one_by_one(agent, raw, peer, plans, case, src, dst, n,
+                                                  interleave=_kind(phase) == "big"))
             peer.close()
             conn.recv()  # decode is done: close
         del bufs
+
+
+@contextlib.contextmanager
+def _static_heap() -> Iterator[None]:
+    """Measure as a serving engine runs: with what start-up allocated frozen out of the
+    garbage collector (vLLM's engine core calls ``gc.freeze()`` once it is up), so that
+    the oldest generation's collections do not walk it. The session and the raw baseline
+    run in the same processes, under the same heap."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _send_all(s: Sender, req: dict[str, Any], src: Layout) -> None:
@@ -273,14 +294,16 @@ def _decode(conn: Connection, url: str, transport: str, in_band: bool, secret_fi
                 create_transport(transport) as raw:  # the raw baseline's receiver
             raw.register(lay)
             conn.send(raw.endpoint())
-            if _kind(phase) == "throughput":
-                # the engine holds its requests' index lists: built before the clock
-                reqs = [_request(case, lay, lay, i) for i in range(n)]
-                for r in range(rounds):
-                    conn.recv()  # go
-                    conn.send(_decode_round(agent, url, reqs, lay, r))
-            else:
-                conn.send(_decode_one_by_one(agent, url, case, lay, n))
+            # the engine holds its requests' index lists: built before the clock
+            reqs = ([_request(case, lay, lay, i) for i in range(n)]
+                    if _kind(phase) == "throughput" else [])
+            with _static_heap():
+                if _kind(phase) == "throughput":
+                    for r in range(rounds):
+                        conn.recv()  # go
+                        conn.send(_decode_round(agent, url, reqs, lay, r))
+                else:
+                    conn.send(_decode_one_by_one(agent, url, case, lay, n))
             conn.recv()  # prefill is done: close
 
 
