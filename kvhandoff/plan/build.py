@@ -16,11 +16,13 @@ from kvhandoff.plan.compat import (
     pair_layouts,
     unit_kind,
 )
-from kvhandoff.plan.model import Plan, TensorPlan, _entry
+from kvhandoff.plan.model import Plan, TensorPlan, Writer, _entry, with_template
 from kvhandoff.plan.pairing import check_unique, pair_items, ring_units, token_units
 from kvhandoff.plan.request import IndexArray, Indices, Request
 
-_ComponentFn = Callable[[ComponentPair, Indices, list[str]], list[TensorPlan]]
+_ComponentFn = Callable[[ComponentPair, Indices, list[str]],
+                        tuple[list[TensorPlan], list[Writer] | None]]
+"""A component's entries, and the templates they came from (None: not all did)."""
 
 
 def plan(src: Layout, dst: Layout, request: Request) -> Plan:
@@ -52,12 +54,16 @@ def _plan(src: Layout, dst: Layout, request: Request, component: _ComponentFn) -
         )
     notes: list[str] = []
     entries: list[TensorPlan] = []
+    template: list[Writer] | None = []
     for comp in pair.components:
         idx = request[comp.name]
         if idx is not None:
-            entries.extend(component(comp, idx, notes))
-    return Plan(entries=tuple(entries), src_tp_rank=src.tp_rank, dst_tp_rank=dst.tp_rank,
-                notes=tuple(notes))
+            got, writers = component(comp, idx, notes)
+            entries.extend(got)
+            template = None if template is None or writers is None else template + writers
+    p = Plan(entries=tuple(entries), src_tp_rank=src.tp_rank, dst_tp_rank=dst.tp_rank,
+             notes=tuple(notes))
+    return p if template is None else with_template(p, tuple(template))
 
 
 # (id(src), id(dst)) → the pair of those very objects. ``pair_layouts``' cache finds a
@@ -121,11 +127,12 @@ class _UnitCache:
         return u
 
 
-def _component(comp: ComponentPair, idx: Indices, notes: list[str]) -> list[TensorPlan]:
+def _component(comp: ComponentPair, idx: Indices, notes: list[str]
+               ) -> tuple[list[TensorPlan], list[Writer] | None]:
     """The fast path: units once per units key, bounds against each key's tightest
-    tensor, entries from per-tensor templates. Anything out of bounds goes down the
-    general path (sharing the units computed so far), which raises exactly what it
-    would have raised alone."""
+    tensor, entries from per-tensor templates (returned with them). Anything out of
+    bounds goes down the general path (sharing the units computed so far), which raises
+    exactly what it would have raised alone."""
     cache = _UnitCache(comp, idx, notes)
     table = comp.tables[by_rows(idx)]
     units: list[Units] = []
@@ -136,18 +143,19 @@ def _component(comp: ComponentPair, idx: Indices, notes: list[str]) -> list[Tens
             if s_lo < 0 or d_lo < 0 or s_hi > group.src_max or d_hi > group.dst_max:
                 return _component_general(comp, idx, notes, cache)
         units.append(u)
-    out = []
-    for k, fixed in table.writers:
-        u = units[k]
+    out, used = [], []
+    for w in table.writers:
+        u = units[w[0]]
         if len(u.src):
-            out.append(_entry(fixed, u.src, u.dst))
-    return out
+            out.append(_entry(w[1], u.src, u.dst))
+            used.append(w)
+    return out, used
 
 
 def _component_general(
     comp: ComponentPair, idx: Indices, notes: list[str], cache: _UnitCache | None = None
-) -> list[TensorPlan]:
-    """Tensor by tensor: validate its units, bounds-check it, emit it."""
+) -> tuple[list[TensorPlan], None]:
+    """Tensor by tensor: validate its units, bounds-check it, emit it (no template)."""
     if cache is None:
         cache = _UnitCache(comp, idx, notes)
     rows = by_rows(idx)
@@ -158,7 +166,7 @@ def _component_general(
         if not len(u.src) or not len(tp.item_pieces):
             continue
         out.append(_tensor_plan(comp.name, tp, u, by_row))
-    return out
+    return out, None
 
 
 def _tensor_plan(name: str, tp: TensorPair, u: Units, by_row: bool) -> TensorPlan:

@@ -46,12 +46,36 @@ def merge(plans: Sequence[Plan]) -> Plan:
         raise ValueError(f"merge() takes plans between one pair of ranks, got (src, dst) "
                          f"tp ranks {sorted(ranks)}")
     joined: dict[tuple[int, ...], IndexArray] = {}
-    entries = _aligned(plans, joined)
+    entries = _templated(plans, joined)
+    if entries is None:
+        entries = _aligned(plans, joined)
     if entries is None:
         entries = _grouped(plans, joined)
     notes = tuple(n for p in plans for n in p.notes)
     return Plan(entries=tuple(entries), src_tp_rank=first.src_tp_rank,
                 dst_tp_rank=first.dst_tp_rank, notes=notes)
+
+
+def _templated(plans: Sequence[Plan], joined: dict[tuple[int, ...], IndexArray]
+               ) -> list[TensorPlan] | None:
+    """The planner's own plans, all from one template (one layout pair, the same
+    components moving: a burst of like requests): entry ``i`` of every plan is the same
+    tensor pair, so each column is one group, and the columns of one component's units
+    share their index arrays in every plan; each is concatenated once, no field
+    compared. ``None`` when the plans do not share a template."""
+    first = plans[0]._template
+    if first is None:
+        return None
+    n = len(first)
+    for p in plans[1:]:
+        t = p._template
+        if t is None or len(t) != n or not all(map(operator.is_, t, first)):
+            return None
+    cols: dict[tuple[object, int], int] = {}  # (component, units index) -> first column
+    rep = [cols.setdefault((fixed["component"], k), i) for i, (k, fixed) in enumerate(first)]
+    src = {i: _join(joined, [p.entries[i].src_idx for p in plans]) for i in cols.values()}
+    dst = {i: _join(joined, [p.entries[i].dst_idx for p in plans]) for i in cols.values()}
+    return [_entry(fixed, src[r], dst[r]) for (_, fixed), r in zip(first, rep, strict=True)]
 
 
 def _aligned(plans: Sequence[Plan], joined: dict[tuple[int, ...], IndexArray]

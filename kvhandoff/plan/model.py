@@ -106,6 +106,24 @@ def _layer_runs(group: Sequence[TensorPlan]) -> Segments:
                     np.tile(counts * unit, len(group)))
 
 
+Writer = tuple[int, dict[str, object]]
+"""One entry's template in a component's unit table (``UnitTable.writers``): the index
+of its units among the component's, and every field of the entry but the index arrays."""
+
+Template = tuple[Writer, ...]
+"""A plan's writers, entry by entry. Two plans whose templates are the same objects,
+writer by writer, have the same entries in the same order (one per tensor pair, each
+moving bytes), and within each plan the entries of one component with the same units
+index share their index arrays: :func:`~kvhandoff.plan.merge.merge` joins them without
+comparing a field."""
+
+
+def with_template(p: Plan, template: Template) -> Plan:
+    """``p``, marked as built entry by entry from ``template`` (the planner's fast path)."""
+    object.__setattr__(p, "_template", template)
+    return p
+
+
 _new = object.__new__
 
 
@@ -169,6 +187,9 @@ class Plan:
     notes: tuple[str, ...] = field(default=())  # trims and other non-fatal decisions
     # nbytes, computed on first use (the sender, the write batcher and the transport ask)
     _nbytes: int = field(default=-1, init=False, repr=False, compare=False)
+    # the planner's template of each entry, when every entry came from one (its fast
+    # path): see ``Template``. Not an init field, so ``dataclasses.replace`` drops it.
+    _template: Template | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:

@@ -6,6 +6,7 @@ so a test decides when (and how) each batch's write ends."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 
 from kvhandoff import shapes
-from kvhandoff.plan import Plan, TensorPlan
+from kvhandoff.plan import Plan, TensorPlan, plan
 from kvhandoff.plan import merge as merge_module
 from kvhandoff.plan.merge import merge
 from kvhandoff.protocol import Outcome, RankId, TransferStatus, decode_notice
@@ -105,6 +106,58 @@ def test_merge_falls_back_to_grouping_when_plans_are_not_alike_entry_by_entry() 
         assert moved(merge(plans)) == sorted(x for p in plans for x in moved(p))
     assert entries_of(merge([a, b])) == [("k", 0, PIECE.tolist(), [1, 2], [5, 6]),
                                          ("v", 0, PIECE.tolist(), [1, 2], [5, 6])]
+
+
+HYBRID = shapes.tiny(shapes.get("qwen3_next"))
+
+
+def hybrid_plans(n: int, *, state_from: int = 0) -> list[Plan]:
+    """The planner's plans of ``n`` like requests of a hybrid model (KV pages, a Mamba
+    slot, an aux row), each in its own pages and slot; those before ``state_from`` move
+    no state."""
+    lay = shapes.layout_for(HYBRID, tp_rank=0, tp_size=1, page_size=4, num_pages=64,
+                            num_slots=16, alloc=lambda n: 1 << 20)
+    out = []
+    for i in range(n):
+        req = shapes.request_for(HYBRID, lay, lay, 6, contiguous=True, src_slot=i + 1,
+                                 dst_slot=n - i)
+        req["kv"] = type(req["kv"])(req["kv"].src + 2 * i, req["kv"].dst + 4 * i)
+        if i < state_from:
+            req = {k: (None if k not in ("kv", "aux") else v) for k, v in req.items()}
+        out.append(plan(lay, lay, req))
+    return out
+
+
+def test_merge_of_the_planners_like_plans_joins_them_by_template() -> None:
+    """Plans of like requests share the planner's template: merged column by column
+    without comparing fields, they give what the general grouping gives, each
+    component's index arrays concatenated once and shared by its tensors."""
+    plans = hybrid_plans(6)
+    assert all(p._template is not None for p in plans)
+    fast = merge_module._templated(plans, {})
+    assert fast is not None
+    general = merge_module._grouped(plans, {})
+    assert entries_of(Plan(entries=tuple(fast))) == entries_of(Plan(entries=tuple(general)))
+    m = merge(plans)
+    assert moved(m) == sorted(x for p in plans for x in moved(p))
+    assert m.nbytes == sum(p.nbytes for p in plans)
+    by_comp: dict[str, set[int]] = {}
+    for e in m.entries:
+        by_comp.setdefault(e.component, set()).add(id(e.src_idx))
+    assert len(by_comp) > 2 and all(len(ids) == 1 for ids in by_comp.values())
+
+
+def test_merge_takes_the_template_only_when_every_plan_shares_it() -> None:
+    """A plan that moves fewer components, one that is not the planner's (a replaced
+    copy drops the template), or no template at all: the field-by-field paths decide,
+    and the bytes are the same."""
+    like = hybrid_plans(3)
+    fewer = hybrid_plans(3, state_from=2)  # the first two move only KV and aux
+    copied = dataclasses.replace(like[1])
+    assert copied._template is None and copied == like[1]
+    for plans in ([*like, fewer[0]], [like[0], copied, like[2]]):
+        assert merge_module._templated(plans, {}) is None
+        assert moved(merge(plans)) == sorted(x for p in plans for x in moved(p))
 
 
 def test_merge_of_one_plan_is_that_plan_and_of_none_or_two_rank_pairs_an_error() -> None:
