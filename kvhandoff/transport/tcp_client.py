@@ -179,14 +179,16 @@ class TcpPeer(WorkerPeer):
         if not self._track(transfer):
             return handle
         if len(frames) <= 1:
-            self._queue_data(transfer)
+            self._queue_data(transfer, inline=True)
         else:
             check = _Frame(transfer, plan_records(plan).encode(), 0, None, check=True)
             self._conns[next(self._rr) % len(self._conns)].queue.put(check)
         return handle
 
-    def _queue_data(self, transfer: _Transfer) -> None:
-        """Queue the data frames; a notice rides in the only one, or goes alone."""
+    def _queue_data(self, transfer: _Transfer, *, inline: bool = False) -> None:
+        """Queue the data frames; a notice rides in the only one, or goes alone. With
+        ``inline`` (the submitting thread), a lone frame that fits the connection's
+        bounce buffer is written from this thread when the connection is idle."""
         if not transfer.frames:
             self._queue_notice(transfer)
             return
@@ -194,9 +196,13 @@ class TcpPeer(WorkerPeer):
         for i, chunks in enumerate(transfer.frames):
             frame = _Frame(transfer, dst_records(chunks).encode(),
                            sum(c.nbytes for c in chunks), chunks)
+            conn = self._conns[(start + i) % len(self._conns)]
             if len(transfer.frames) == 1:
                 frame.notice, transfer.notice = transfer.notice, None
-            self._conns[(start + i) % len(self._conns)].queue.put(frame)
+                if (inline and frame.payload_len <= conn.sink.capacity
+                        and self._send_inline(conn, frame)):
+                    continue
+            conn.queue.put(frame)
         transfer.frames = []  # the frames own their chunks now
 
     def _queue_notice(self, transfer: _Transfer) -> None:

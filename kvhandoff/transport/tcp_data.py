@@ -99,6 +99,11 @@ class Sink:
         self._mark = 0  # bounce bytes already queued as a view
         self._out: list[memoryview] = []
 
+    @property
+    def capacity(self) -> int:
+        """Bounce buffer bytes: a frame whose payload fits is queued without a flush."""
+        return len(self._bounce)
+
     def add(self, data: bytes | memoryview) -> None:
         """Queue ``data`` (kept by reference until ``flush``)."""
         self._seal()
