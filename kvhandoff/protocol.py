@@ -10,6 +10,7 @@ Conversation (decode ranks start every exchange; prefill ranks answer)::
     decode ──Hello──────────▶ prefill      once per (decode rank, prefill rank)
     decode ◀─HelloAck / HelloReject──
     decode ──TransferInit───▶ prefill      once per request, to every writing prefill rank
+                                            (several in one TransferInits: an engine step's)
     decode ◀─TransferStatus──  prefill      per KV chunk; ``last`` closes the request
                                             (in band as a StatusNotice, when both can)
     either ──Abort──────────▶ either       the request is dead; no more writes
@@ -57,10 +58,15 @@ from kvhandoff.layout import (
 from kvhandoff.plan.request import IndexArray, Indices
 from kvhandoff.state_types import StateType
 
-PROTOCOL_VERSION: Final = 4
+PROTOCOL_VERSION: Final = 5
 """Bumped on any change to a message's fields or meaning; compared at handshake.
 2: ``ErrorReply.code``. 4: ``StatusNotice.more`` (a notice may carry several statuses;
-a version-3 decode rank would drop such notices and time out)."""
+a version-3 decode rank would drop such notices and time out). 5: ``TransferInits`` (a
+version-4 prefill rank would refuse it)."""
+
+MAX_BATCHED_INITS: Final = 256
+"""Most ``TransferInit`` one :class:`TransferInits` carries: one message never holds the
+control thread much longer than its neighbours."""
 
 MAX_MESSAGE_BYTES: Final = 64 << 20
 """Largest control message accepted (or sent). Index lists of a 1M-token request at
@@ -410,6 +416,19 @@ class TransferInit(_Msg, frozen=True):
     expect_checksum: bool = False
 
 
+class TransferInits(_Msg, frozen=True):
+    """decode → prefill: the ``TransferInit`` of several requests, in one message (the
+    requests one engine step opened, for this prefill rank). Each is handled exactly as
+    if it had come alone, in order."""
+
+    inits: tuple[TransferInit, ...]
+
+    def __post_init__(self) -> None:
+        if not 0 < len(self.inits) <= MAX_BATCHED_INITS:
+            raise ValueError(f"a TransferInits carries 1 to {MAX_BATCHED_INITS} "
+                             f"TransferInit, got {len(self.inits)}")
+
+
 class Outcome(enum.StrEnum):
     SUCCESS = "success"
     FAILED = "failed"
@@ -480,8 +499,8 @@ class ErrorReply(_Msg, frozen=True):
 
 
 Message = (
-    Hello | HelloAck | HelloReject | TransferInit | TransferStatus | Abort | AbortAck
-    | Heartbeat | HeartbeatAck | ErrorReply
+    Hello | HelloAck | HelloReject | TransferInit | TransferInits | TransferStatus | Abort
+    | AbortAck | Heartbeat | HeartbeatAck | ErrorReply
 )
 
 _ENCODER = msgspec.msgpack.Encoder()

@@ -331,10 +331,11 @@ def _decode_round(agent: Agent, url: str, reqs: list[dict[str, Any]], lay: Layou
     n = len(reqs)
     t = time.perf_counter()
     recvs = []
-    for i, req in enumerate(reqs):
-        x = Receiver(agent, url, r * n + i)
-        x.init(_dst_lists(req, lay), int(req["aux"].dst[0]))
-        recvs.append(x)
+    with agent.batched_writes():  # one engine step opens them all: one message per rank
+        for i, req in enumerate(reqs):
+            x = Receiver(agent, url, r * n + i)
+            x.init(_dst_lists(req, lay), int(req["aux"].dst[0]))
+            recvs.append(x)
     for x in recvs:
         if x.wait(TIMEOUT) is not Status.SUCCESS:
             raise RuntimeError(f"request {x.request_id} failed: {x.reason}")

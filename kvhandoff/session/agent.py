@@ -57,6 +57,7 @@ from kvhandoff.session.host import Backlog, Request
 from kvhandoff.session.host import Role as Role  # re-exported: its historical home
 from kvhandoff.session.memory import TensorViews
 from kvhandoff.session.peers import DecodePeer, DecodePeers
+from kvhandoff.session.post_batch import PostBatcher
 from kvhandoff.session.prefill_desk import PrefillDesk
 from kvhandoff.session.rank_io import RankIO
 from kvhandoff.session.receiver import Receiver
@@ -89,6 +90,7 @@ class Agent:
         self._closed = False
         self._stop = threading.Event()
         self._beats = Heartbeats(self.config, name=self.name, post=self.post)
+        self._posts = PostBatcher(self._post_now)  # decode's, per engine step
         self._io: RankIO | None = None
         self._desk: PrefillDesk | DecodeDesk | None = None
         metrics, cfg = process_metrics(), self.config
@@ -170,13 +172,14 @@ class Agent:
                                     self.config.bootstrap_timeout if timeout is None else timeout)
 
     def batched_writes(self) -> contextlib.AbstractContextManager[None]:
-        """Prefill: within this context the writes the calling thread's Senders decide are
-        held, then submitted batched per decode rank when it exits (one submit and one
-        in-band notice for all; :mod:`~kvhandoff.session.write_batch`): for an engine
-        handing over many finished prefills at once. Writes decided on the control
-        thread are always batched per burst of messages. Does nothing on decode."""
+        """An engine step's handovers, together. Prefill: the writes the calling thread's
+        Senders decide are held, then submitted batched per decode rank when it exits (one
+        submit and one in-band notice for all; :mod:`~kvhandoff.session.write_batch`);
+        writes decided on the control thread are always batched per burst of messages.
+        Decode: the calling thread's Receivers' indices go out as one message per prefill
+        rank when it exits (:mod:`~kvhandoff.session.post_batch`)."""
         desk = self._desk
-        return desk.writes.held() if isinstance(desk, PrefillDesk) else contextlib.nullcontext()
+        return desk.writes.held() if isinstance(desk, PrefillDesk) else self._posts.held()
 
     def live(self) -> list[Sender | Receiver]:
         """The requests not yet finished here (settled on prefill, released on decode)."""
@@ -246,7 +249,12 @@ class Agent:
         self._report.finished(side)
 
     def post(self, endpoint: str, msg: Message) -> None:
-        """Queue a control message, unless ``endpoint`` was recently declared lost."""
+        """Send a control message (at the end of the calling thread's ``batched_writes``
+        block on decode), unless ``endpoint`` was recently declared lost."""
+        if not self._posts.hold(endpoint, msg):
+            self._post_now(endpoint, msg)
+
+    def _post_now(self, endpoint: str, msg: Message) -> None:
         if self._io is not None and not self._beats.watch.is_lost(endpoint):
             self._io.control.send(endpoint, msg)
 

@@ -24,6 +24,8 @@ def agent_stats(desk: PrefillDesk | DecodeDesk | None, io: RankIO | None,
     out.update(io.control.stats if io is not None else {})
     out["live_requests"] = len(desk.live()) if desk is not None else 0
     out["decode_peers"] = len(desk.peers) if isinstance(desk, PrefillDesk) else 0
+    # prefill: requests whose decode indices are in, waiting for their Sender
+    out["early_inits"] = len(desk.backlog.inits) if isinstance(desk, PrefillDesk) else 0
     out["in_band_statuses"] = desk.in_band if isinstance(desk, DecodeDesk) else 0
     out["prefill_peers"] = sum(len(g.ranks) for g in desk.groups.groups()
                                if g.state is GroupState.READY) \

@@ -33,6 +33,7 @@ from kvhandoff.protocol import (
     Message,
     RequestId,
     TransferInit,
+    TransferInits,
     TransferStatus,
 )
 from kvhandoff.session.backlog import MAX_REASON, PrefillBacklog, id_problem
@@ -150,6 +151,9 @@ class PrefillDesk:
                 self.peers.offer(origin.endpoint, msg)
             case TransferInit():
                 self._on_init(origin, msg)
+            case TransferInits():  # one engine step's, packed: each as if alone
+                for m in msg.inits:
+                    self._on_init(origin, m)
             case Abort():
                 self._on_abort(origin, msg)
             case ErrorReply():

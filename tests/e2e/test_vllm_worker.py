@@ -295,8 +295,9 @@ class CountingTcp(TcpTransport):
 
 def test_a_steps_sends_whose_indices_are_in_go_out_as_one_write() -> None:
     """Decode's indices for three requests reach prefill before its step starts them
-    (vLLM's usual order when decode is idle): the step's three writes are decided on
-    the step thread and go out as one submit whose notice carries the three statuses."""
+    (vLLM's usual order when decode is idle), in one message (decode's step packs
+    them): the step's three writes are decided on the step thread and go out as one
+    submit whose notice carries the three statuses."""
     t = CountingTcp()
     with BootstrapServer() as srv:
         name = f"vllm-batched-{time.monotonic_ns()}"
@@ -309,14 +310,16 @@ def test_a_steps_sends_whose_indices_are_in_go_out_as_one_write() -> None:
             raise
         try:
             heard = p.worker.agent.stats["received"]
+            assert p.worker.agent.stats["early_inits"] == 0
             blocks = [((1 + i,), (4 + i,)) for i in range(3)]  # (Mamba, attention) each
             d.worker.start(StepMeta(recvs=[
                 RecvReq(f"d-{i}", f"p-{i}", srv.url, name, b, 0, 20)
                 for i, b in enumerate(blocks)]))
             deadline = time.monotonic() + 30
-            while p.worker.agent.stats["received"] < heard + 3:  # the three TransferInits
+            while p.worker.agent.stats["early_inits"] < 3:  # the three TransferInits
                 assert time.monotonic() < deadline, "decode's indices never reached prefill"
                 time.sleep(0.005)
+            assert p.worker.agent.stats["received"] < heard + 3  # packed: fewer messages
             p.worker.start(StepMeta(sends=[SendReq(f"p-{i}", b, 20)
                                            for i, b in enumerate(blocks)]))
             for side, which, ids in ((d, 1, {"d-0", "d-1", "d-2"}), (p, 0, {"p-0", "p-1", "p-2"})):

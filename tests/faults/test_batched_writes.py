@@ -1,17 +1,21 @@
 """Batched writes (:mod:`kvhandoff.session.write_batch`) over real sockets: requests
 handed over together reach decode in one submit per chunk round, with one in-band
 notice carrying every status, every byte in place; a batch that fails fails exactly
-its requests, each saying it was batched."""
+its requests, each saying it was batched. On decode, the requests one step opens send
+their indices as one message per prefill rank (:mod:`kvhandoff.session.post_batch`)."""
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 
 from kvhandoff.plan.execute import HostMemory
 from kvhandoff.plan.model import Plan
-from kvhandoff.protocol import decode_notice
+from kvhandoff.protocol import Message, TransferInit, TransferInits, decode_notice
 from kvhandoff.session import Status
 from kvhandoff.session.bootstrap import BootstrapServer
+from kvhandoff.session.control import Origin
 from kvhandoff.testing.handoff import request_of
 from kvhandoff.testing.oracle import expected_writes
 from kvhandoff.testing.rig import Rig
@@ -90,5 +94,50 @@ def test_a_refused_batch_fails_exactly_its_requests(bootstrap: BootstrapServer,
             assert r.wait(10) is Status.FAILED
             assert r.wait_released(10)  # prefill acked: nothing of it in flight
         rig.handoff(rig.plan(9, block=3))  # the agents still work, unbatched
+    finally:
+        rig.close()
+
+
+def test_a_decode_step_sends_its_indices_in_one_message_and_each_lands(
+        bootstrap: BootstrapServer, instance: str) -> None:
+    """Receivers opened inside decode's ``batched_writes`` post nothing until it exits,
+    then one TransferInits per prefill rank; prefill handles each init as if alone, so
+    an Abort held after one still follows it, and every other request lands exactly."""
+    rig = Rig(bootstrap.url, instance)
+    heard: list[object] = []
+    packed = threading.Event()
+    desk = rig.prefill._desk
+    assert desk is not None
+    take = desk.on_message
+
+    def spy(origin: Origin, msg: Message) -> bool:
+        if isinstance(msg, TransferInits):
+            heard.append(tuple(m.request_id for m in msg.inits))
+            packed.set()
+        elif isinstance(msg, TransferInit):
+            heard.append(msg.request_id)
+        return take(origin, msg)
+
+    desk.on_message = spy  # type: ignore[method-assign]
+    try:
+        rig.handoff(rig.plan(99, block=6))  # the group is connected: posts come from here
+        plans = [rig.plan(i + 1, block=i) for i in range(4)]
+        with rig.decode.batched_writes():
+            recvs = [rig.receiver(rp) for rp in plans]
+            recvs[2].abort("the engine dropped it")
+            assert heard == [99]  # held until the block exits
+        assert packed.wait(10)
+        assert heard == [99, (1, 2, 3, 4)]
+        sends = [rig.sender(rp) for rp in plans]
+        for i, (s, chunks, state) in enumerate(sends):
+            rig.send_all(s, chunks, state)
+            want = Status.FAILED if i == 2 else Status.SUCCESS
+            assert recvs[i].wait(10) is want, recvs[i].reason
+            assert s.wait(10) is want, s.reason
+        assert "aborted by decode" in str(sends[2][0].reason)
+        mem_d, mem_p = HostMemory(rig.darena.bufs), HostMemory(rig.parena.bufs)
+        for rp in plans[:2] + plans[3:]:
+            bm = expected_writes([rig.src], rig.dst, request_of(rig.scn, rp, rig.src, rig.dst))
+            assert np.array_equal(mem_d.read(bm.dst), mem_p.read(bm.src)), "bytes differ"
     finally:
         rig.close()

@@ -52,6 +52,7 @@ from kvhandoff.protocol import (
     ProtocolError,
     RankId,
     TransferInit,
+    TransferInits,
     TransferStatus,
     decode_message,
     encode_message,
@@ -97,6 +98,7 @@ def examples() -> list[Message]:
                     problems=("component 'mamba' exists on prefill only", "another")),
         init,
         replace(init, request_id=2**63 + 5),
+        TransferInits(inits=(init, replace(init, request_id=8, indices={"kv": None}))),
         TransferStatus(request_id="req-7", rank=PREFILL, chunk=2, last=True,
                        outcome=Outcome.SUCCESS, nbytes=4096, checksums={"kv": 123, "aux": 0}),
         TransferStatus(request_id=-3, rank=PREFILL, chunk=0, last=False,
@@ -364,6 +366,21 @@ def test_oversized_messages_are_refused_both_ways(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(protocol, "MAX_MESSAGE_BYTES", 1000)
     with pytest.raises(ProtocolError, match="exceeds MAX_MESSAGE_BYTES"):
         decode_message(buf)
+
+
+def test_a_transfer_inits_carries_one_to_max_batched_inits_both_ways() -> None:
+    """An empty pack, or one past the bound, is refused when built here and when it
+    arrives: a peer cannot make prefill's control thread take an unbounded message."""
+    one = TransferInit(request_id=1, rank=DECODE, indices={"kv": None})
+    cap = protocol.MAX_BATCHED_INITS
+    assert decode_message(encode_message(TransferInits(inits=(one,) * cap))).inits[-1] == one
+    for n in (0, cap + 1):
+        with pytest.raises(ValueError, match=f"1 to {cap} TransferInit, got {n}"):
+            TransferInits(inits=(one,) * n)
+        raw = msgspec.msgpack.encode({"type": "TransferInits",
+                                      "inits": [msgspec.to_builtins(one)] * n})
+        with pytest.raises(ProtocolError, match=f"got {n}"):
+            decode_message(raw)
 
 
 def test_a_hello_from_another_protocol_version_says_so() -> None:

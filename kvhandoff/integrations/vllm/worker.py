@@ -40,6 +40,7 @@ from kvhandoff.integrations.vllm.requests import RecvReq, SendReq, StepMeta
 from kvhandoff.layout import Layout, MemoryKind
 from kvhandoff.memory import raw_view
 from kvhandoff.observe import timeline as tl
+from kvhandoff.protocol import LocalProtocolError
 from kvhandoff.session.agent import Agent
 from kvhandoff.session.aux import AuxSpec
 from kvhandoff.session.config import SessionConfig
@@ -186,18 +187,26 @@ class WorkerSide:
 
     def start(self, meta: StepMeta) -> None:
         """Open this step's handoffs. One that cannot start fails alone (its blocks are
-        reported like any failure's); it never takes vLLM's engine down. The writes of
-        the step's sends whose decode indices are already in go out together, one submit
-        per decode rank (``Agent.batched_writes``)."""
-        with self.agent.batched_writes():
-            for s in meta.sends:
-                try:
-                    self._send(s)
-                except Exception as e:  # a bad request must not kill the engine loop
-                    log.exception("request %s: cannot start its handoff", s.request_id)
-                    out = self._out.get(s.request_id)
-                    if out is not None:
-                        out.sender.abort(f"could not start: {e}")
+        reported like any failure's); it never takes vLLM's engine down. The step's
+        handovers go out together (``Agent.batched_writes``): on prefill the writes of
+        sends whose decode indices are already in, one submit per decode rank; on decode
+        the loads' indices, one message per prefill rank."""
+        try:
+            with self.agent.batched_writes():
+                self._start(meta)
+        except LocalProtocolError:  # a message that cannot be encoded: a bug, not vLLM's
+            log.exception("kvhandoff: a control message of this step could not be sent; "
+                          "its requests fail by their timeouts")
+
+    def _start(self, meta: StepMeta) -> None:
+        for s in meta.sends:
+            try:
+                self._send(s)
+            except Exception as e:  # a bad request must not kill the engine loop
+                log.exception("request %s: cannot start its handoff", s.request_id)
+                out = self._out.get(s.request_id)
+                if out is not None:
+                    out.sender.abort(f"could not start: {e}")
         for r in meta.recvs:
             try:
                 self._receive(r)
