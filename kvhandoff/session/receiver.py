@@ -39,7 +39,6 @@ Thread-safety: every method may be called from any thread (one lock per request)
 from __future__ import annotations
 
 import hashlib
-import threading
 import time
 import urllib.parse
 from collections.abc import Mapping
@@ -64,7 +63,7 @@ from kvhandoff.session.recv_core import (
     Verify,
 )
 from kvhandoff.session.request_side import RequestSide
-from kvhandoff.session.status import Status
+from kvhandoff.session.status import Latch, Status
 
 
 def route_dp(request_id: RequestId, dp_size: int) -> int:
@@ -101,7 +100,7 @@ class Receiver(RequestSide):
         self._group: PrefillGroup | None = None
         self._regroup: PrefillGroup | None = None  # asked for by Rehandshake, not yet waited on
         self._dp_rank = dp_rank
-        self._released = threading.Event()
+        self._released = Latch()
         self._release_reason = ""
         agent.attach(self)
         self._find_group()

@@ -48,7 +48,6 @@ indices, completions and aborts concurrently (one lock per request).
 from __future__ import annotations
 
 import functools
-import threading
 import time
 from collections import Counter
 from collections.abc import Mapping
@@ -72,7 +71,7 @@ from kvhandoff.session.send_core import (
     Write,
     WriteFailed,
 )
-from kvhandoff.session.status import Status
+from kvhandoff.session.status import Latch, Status
 from kvhandoff.session.write_batch import BatchedWrite
 from kvhandoff.transport.base import Handle
 from kvhandoff.transport.errors import TransportError
@@ -87,7 +86,7 @@ class Sender(RequestSide):
         super().__init__(agent, request_id, "prefill")
         self._core = SendCore(request_id=request_id, facts=agent, created=self._created)
         self._peers: dict[str, DecodePeer] = {}
-        self._settled = threading.Event()
+        self._settled = Latch()
         self._landed: float | None = None  # the latest acknowledgement of our writes
         self._plans: list[Plan] = []  # every chunk's, for component_bytes
         inits, failed = agent.attach(self)

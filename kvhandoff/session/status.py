@@ -33,6 +33,7 @@ rank fails the request, and it succeeds only when every rank has.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import threading
 import time
@@ -94,6 +95,43 @@ def combine(statuses: Iterable[Status]) -> Status:
     return min(found, key=_RANK.__getitem__)
 
 
+class Latch:
+    """A one-shot event: :meth:`set` once, then every :meth:`wait` returns True at once.
+
+    A ``threading.Event`` builds a ``Condition`` (several Python objects); this is one
+    lock, held from creation until :meth:`set` releases it, so each request can afford
+    several (its status waiters, settled, released). Thread-safe."""
+
+    __slots__ = ("_gate", "_open")
+
+    def __init__(self) -> None:
+        self._open = False
+        self._gate = threading.Lock()
+        self._gate.acquire()
+
+    def is_set(self) -> bool:
+        return self._open
+
+    def set(self) -> None:
+        if not self._open:
+            self._open = True
+            self._pass()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once set (at once if it is), False after ``timeout`` seconds without."""
+        if self._open:
+            return True
+        if not self._gate.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
+            return self._open
+        self._pass()  # let the next waiter through
+        return True
+
+    def _pass(self) -> None:
+        # another setter or waiter may have opened the gate first: it stays open
+        with contextlib.suppress(RuntimeError):
+            self._gate.release()
+
+
 class StateMachine:
     """One request's status on one rank, driven by :meth:`fire`.
 
@@ -107,8 +145,8 @@ class StateMachine:
     def __init__(self, *, name: str = "", clock: Callable[[], float] = time.monotonic) -> None:
         self.name = name
         self._clock = clock
-        self._cond = threading.Condition()
-        self._waiters: list[tuple[frozenset[Status], threading.Event]] = []
+        self._lock = threading.RLock()
+        self._waiters: list[tuple[frozenset[Status], Latch]] = []
         self._state = Status.BOOTSTRAPPING
         self._reason: str | None = None
         self._since = clock()
@@ -139,7 +177,7 @@ class StateMachine:
         Raises :class:`~kvhandoff.protocol.LocalProtocolError` when the table has no
         rule for (current state, event); the state is then unchanged. ``reason`` is
         recorded only by a transition into FAILED."""
-        with self._cond:
+        with self._lock:
             old = self._state
             new = TRANSITIONS.get((old, event))
             if new is None:
@@ -165,7 +203,7 @@ class StateMachine:
         and a request that already succeeded stays succeeded."""
         if event not in _DEFAULT_REASON:
             raise ValueError(f"fail() takes FAIL or ABORT, got {event.value}")
-        with self._cond:
+        with self._lock:
             if self._state in TERMINAL:
                 return False
             self.fire(event, reason)
@@ -176,14 +214,14 @@ class StateMachine:
         pass; return the state at that moment (check it: a timeout returns whatever
         the state is)."""
         want = frozenset({states} if isinstance(states, Status) else states) | TERMINAL
-        entry = (want, threading.Event())
-        with self._cond:
+        entry = (want, Latch())
+        with self._lock:
             if self._state in want:
                 return self._state
             self._waiters.append(entry)
         try:
             entry[1].wait(timeout)
         finally:
-            with self._cond:
+            with self._lock:
                 self._waiters.remove(entry)
         return self._state

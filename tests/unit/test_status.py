@@ -17,6 +17,7 @@ from kvhandoff.session.status import (
     TERMINAL,
     TRANSITIONS,
     Event,
+    Latch,
     StateMachine,
     Status,
     combine,
@@ -172,6 +173,73 @@ def test_racing_failures_have_exactly_one_winner() -> None:
         t.join()
     assert wins.count(True) == 1
     assert sm.state is Status.FAILED and sm.reason and sm.reason.startswith("reason ")
+
+
+def test_many_waiters_of_one_state_all_wake_once_it_is_reached() -> None:
+    sm = StateMachine()
+    got: list[Status] = []
+    waiting = threading.Barrier(9)
+
+    def wait() -> None:
+        waiting.wait()
+        got.append(sm.wait(Status.SUCCESS, timeout=10))
+
+    threads = [threading.Thread(target=wait) for _ in range(8)]
+    for t in threads:
+        t.start()
+    waiting.wait()
+    sm.fire(Event.BOOTSTRAPPED)
+    sm.fire(Event.ALL_DONE)
+    for t in threads:
+        t.join(10)
+    assert got == [Status.SUCCESS] * 8
+    assert sm._waiters == []  # every waiter took its entry away
+
+
+# ---------------------------------------------------------------------------------------
+# Latch
+
+
+def test_a_latch_opens_once_and_stays_open() -> None:
+    latch = Latch()
+    assert not latch.is_set()
+    assert latch.wait(0.01) is False
+    assert latch.wait(-1) is False  # a negative timeout is no wait, not an error
+    latch.set()
+    latch.set()  # again: nothing changes
+    assert latch.is_set()
+    assert all(latch.wait(0) for _ in range(3))
+    assert latch.wait() is True
+
+
+def _race(latch: Latch, waiters: int, setters: int) -> list[bool]:
+    """``waiters`` threads wait on ``latch`` while ``setters`` threads set it, all let go
+    at once; what each wait returned."""
+    start = threading.Barrier(waiters + setters)
+    got: list[bool] = []
+
+    def wait() -> None:
+        start.wait()
+        got.append(latch.wait(10))
+
+    def open_it() -> None:
+        start.wait()
+        latch.set()
+
+    threads = [threading.Thread(target=wait) for _ in range(waiters)]
+    threads += [threading.Thread(target=open_it) for _ in range(setters)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    return got
+
+
+def test_a_latch_lets_every_waiter_through_even_when_set_races_itself() -> None:
+    for _ in range(20):
+        latch = Latch()
+        assert _race(latch, waiters=8, setters=4) == [True] * 8
+        assert latch.wait(0)  # and it stays open
 
 
 # ---------------------------------------------------------------------------------------
