@@ -18,7 +18,7 @@ from kvhandoff.plan.compat import (
 )
 from kvhandoff.plan.model import Plan, TensorPlan, Writer, _entry, with_template
 from kvhandoff.plan.pairing import check_unique, pair_items, ring_units, token_units
-from kvhandoff.plan.request import IndexArray, Indices, Request
+from kvhandoff.plan.request import IndexArray, Indices, Request, index_range
 
 _ComponentFn = Callable[[ComponentPair, Indices, list[str]],
                         tuple[list[TensorPlan], list[Writer] | None]]
@@ -183,22 +183,6 @@ def _tensor_plan(name: str, tp: TensorPair, u: Units, by_row: bool) -> TensorPla
     )
 
 
-_SMALL = 32  # up to this many indices, Python's min/max beat numpy's reductions
-
-
-def _range(a: IndexArray) -> tuple[int, int]:
-    n = len(a)
-    if not n:
-        return (0, 0)
-    if n == 1:
-        v = int(a[0])
-        return (v, v)
-    if n <= _SMALL:
-        vals = a.tolist()
-        return (min(vals), max(vals))
-    return (int(a.min()), int(a.max()))
-
-
 class Units:
     """Paired unit indices of one component, with their ranges computed once."""
 
@@ -206,8 +190,8 @@ class Units:
 
     def __init__(self, src: IndexArray, dst: IndexArray) -> None:
         self.src, self.dst = src, dst
-        self.src_range = _range(src)
-        self.dst_range = _range(dst)
+        self.src_range = index_range(src)
+        self.dst_range = index_range(dst)
 
 
 def _bounds(

@@ -12,6 +12,23 @@ IndexArray = npt.NDArray[np.int64]
 _I64 = np.dtype(np.int64)
 
 
+_FEW = 32  # up to this many indices, Python's min/max beat two numpy reductions
+
+
+def index_range(a: IndexArray) -> tuple[int, int]:
+    """``(min, max)`` of an index array as Python ints, ``(0, 0)`` when it is empty."""
+    n = len(a)
+    if not n:
+        return (0, 0)
+    if n == 1:
+        v = int(a[0])
+        return (v, v)
+    if n <= _FEW:
+        vals = a.tolist()
+        return (min(vals), max(vals))
+    return (int(a.min()), int(a.max()))
+
+
 def as_indices(values: object, what: str) -> IndexArray:
     """A read-only int64 copy/view of ``values`` (never the caller's array, never written)."""
     if type(values) is np.ndarray and values.ndim == 1 and values.dtype == _I64:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvhandoff.layout import Layout
-from kvhandoff.plan.request import IndexArray, Indices, as_indices
+from kvhandoff.plan.request import IndexArray, Indices, as_indices, index_range
 from kvhandoff.protocol import IndexListMsg
 
 StateLists = dict[str, tuple[IndexArray, int] | None]
@@ -219,7 +219,7 @@ def check_items(layout: Layout, name: str, items: IndexArray, side: str) -> None
     one of its tensors here: an engine bug caught at the call, not mid-request."""
     if not len(items):
         return
-    lo, hi = int(items.min()), int(items.max())
+    lo, hi = index_range(items)
     cap = _capacity(layout, name)
     if lo < 0 or (cap is not None and hi >= cap):
         bad = lo if lo < 0 else hi

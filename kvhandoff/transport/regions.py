@@ -25,12 +25,12 @@ import numpy.typing as npt
 from kvhandoff.errors import OutOfBounds
 from kvhandoff.layout import MemoryKind, Region
 from kvhandoff.plan.model import Plan
+from kvhandoff.plan.request import index_range
 
 U8 = npt.NDArray[np.uint8]
 I64 = npt.NDArray[np.int64]
 
 
-_FEW_IDX = 32
 
 
 class Span(NamedTuple):
@@ -38,15 +38,6 @@ class Span(NamedTuple):
 
     lo: int
     hi: int
-
-
-def index_range(idx: I64) -> tuple[int, int]:
-    """``(min, max)`` of a non-empty index array, as Python ints (Python's own min/max
-    on a few indices: two numpy reductions cost more than the list)."""
-    if len(idx) <= _FEW_IDX:
-        few = idx.tolist()
-        return min(few), max(few)
-    return int(idx.min()), int(idx.max())
 
 
 def piece_span(ptr: int, unit: int, idx: I64, off: int, length: int, count: int, stride: int,

@@ -24,10 +24,10 @@ from test_plan_oracle import Case, build_all, cases  # type: ignore[import-not-f
 from kvhandoff.errors import OutOfBounds, PlanError
 from kvhandoff.layout import Component, Layout, RowKind, ShardSpec, TensorSpec
 from kvhandoff.plan import Indices, Plan, TensorPlan, plan
-from kvhandoff.plan.build import _plan_general, _range
+from kvhandoff.plan.build import _plan_general
 from kvhandoff.plan.model import _entry
 from kvhandoff.plan.pairing import check_unique
-from kvhandoff.plan.request import as_indices
+from kvhandoff.plan.request import as_indices, index_range
 from kvhandoff.protocol import layout_from_msg, layout_to_msg
 from kvhandoff.state_types import StateType
 
@@ -218,8 +218,8 @@ def test_layouts_equal_to_the_cached_pair_are_compared_once(
 def test_small_range_matches_numpy(vals: list[int]) -> None:
     a = np.array(vals, dtype=np.int64)
     want = (int(a.min()), int(a.max())) if len(a) else (0, 0)
-    assert _range(a) == want
-    assert all(type(v) is int for v in _range(a))
+    assert index_range(a) == want
+    assert all(type(v) is int for v in index_range(a))
 
 
 @settings(max_examples=300, deadline=None)
