@@ -25,8 +25,7 @@ Only the holding thread's posts wait, and only until its block exits; other thre
 from __future__ import annotations
 
 import contextlib
-import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 from kvhandoff.protocol import (
     MAX_BATCHED_INITS,
@@ -35,6 +34,7 @@ from kvhandoff.protocol import (
     TransferInit,
     TransferInits,
 )
+from kvhandoff.session.holding import Holding
 
 MAX_PACK_BYTES = MAX_MESSAGE_BYTES // 2
 """Index bytes one :class:`TransferInits` may carry (the rest of the limit is headroom
@@ -89,8 +89,7 @@ def _packed(run: list[TransferInit]) -> Message:
     return run[0] if len(run) == 1 else TransferInits(inits=tuple(run))
 
 
-class _Held(threading.local):
-    depth = 0  # nesting of held() on this thread
+class _Held(Holding):
     posts: list[tuple[str, Message]]
 
     def __init__(self) -> None:
@@ -104,18 +103,14 @@ class PostBatcher:
         self._send = send
         self._held = _Held()
 
-    @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
+    def held(self) -> contextlib.AbstractContextManager[None]:
         """Within this context, messages the calling thread posts wait, and go out packed
         when it exits (the outermost one, if nested)."""
-        self._held.depth += 1
-        try:
-            yield
-        finally:
-            self._held.depth -= 1
-            if not self._held.depth:
-                mine, self._held.posts = self._held.posts, []
-                self._send_all(pack(mine))
+        return self._held.block(self._release)
+
+    def _release(self) -> None:
+        mine, self._held.posts = self._held.posts, []
+        self._send_all(pack(mine))
 
     def _send_all(self, posts: list[tuple[str, Message]]) -> None:
         """Send every one, even past one that cannot be encoded (a local bug, raised
@@ -132,7 +127,7 @@ class PostBatcher:
     def hold(self, endpoint: str, msg: Message) -> bool:
         """Keep ``msg`` for the calling thread's block (True), or False when the thread
         is in none: the caller sends it now."""
-        if not self._held.depth:
+        if not self._held.active:
             return False
         self._held.posts.append((endpoint, msg))
         return True

@@ -53,7 +53,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvhandoff.errors import HandoffError
@@ -61,6 +61,7 @@ from kvhandoff.plan import Plan
 from kvhandoff.plan.merge import merge
 from kvhandoff.protocol import TransferStatus
 from kvhandoff.session.completion import Callback
+from kvhandoff.session.holding import Holding
 from kvhandoff.session.peers import DecodePeer
 from kvhandoff.transport.base import Handle, Transport
 from kvhandoff.transport.errors import TransportError
@@ -146,10 +147,6 @@ class Fanout:
         return not left
 
 
-class _Held(threading.local):
-    depth = 0  # nesting of held() on this thread
-
-
 class WriteBatcher:
     """See the module docstring."""
 
@@ -165,29 +162,25 @@ class WriteBatcher:
         self._waiting: list[BatchedWrite] = []  # the I/O thread's burst
         self._holding: dict[int, list[BatchedWrite]] = {}  # per thread inside held()
         self._closed = False
-        self._held = _Held()
+        self._held = Holding()
 
-    @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
+    def held(self) -> contextlib.AbstractContextManager[None]:
         """Within this context, writes decided on the calling thread are held and
         submitted, batched, when it exits (the outermost one, if nested); no other
         thread's flush takes them."""
-        self._held.depth += 1
-        try:
-            yield
-        finally:
-            self._held.depth -= 1
-            if not self._held.depth:
-                with self._lock:
-                    mine = self._holding.pop(threading.get_ident(), [])
-                self._submit_all(mine)
+        return self._held.block(self._release)
+
+    def _release(self) -> None:
+        with self._lock:
+            mine = self._holding.pop(threading.get_ident(), [])
+        self._submit_all(mine)
 
     def defer(self, write: BatchedWrite) -> bool:
         """Take ``write`` (True): into the calling thread's hold when it is inside
         :meth:`held`, else into the I/O thread's burst; or refuse (False: neither the
         I/O thread nor a thread inside :meth:`held`, or closed): the caller then submits
         it itself."""
-        holding = self._held.depth > 0
+        holding = self._held.active
         if not (holding or self._on_io_thread()):
             return False
         with self._lock:
