@@ -126,15 +126,17 @@ def answer_hello(
     transport: str,
     rank: RankId,
     memory_kinds: Collection[MemoryKind] | None = None,
-) -> HelloAck | HelloReject:
+) -> tuple[HelloAck | HelloReject, Layout | None]:
     """The prefill rank's reply to ``hello``, given its own ``layout``, ``transport``
-    name and ``rank``. Pure: decoding the peer's layout, then :func:`check_hello`."""
+    name and ``rank``, and the peer's layout once decoded (None when it does not: the
+    reply then says why). Pure: decoding the peer's layout, then :func:`check_hello`."""
     try:
         peer = layout_from_msg(hello.layout)
     except ProtocolError as e:
-        return HelloReject(protocol_version=PROTOCOL_VERSION, rank=rank, problems=(str(e),))
+        return HelloReject(protocol_version=PROTOCOL_VERSION, rank=rank,
+                           problems=(str(e),)), None
     return check_hello(hello, peer, layout=layout, transport=transport, rank=rank,
-                       memory_kinds=memory_kinds)
+                       memory_kinds=memory_kinds), peer
 
 
 def check_hello(

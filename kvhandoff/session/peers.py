@@ -4,7 +4,7 @@ For each ``Hello`` (on one of this table's own ``MAX_DIALS`` dial threads, since
 connecting may block up to the transport's connect timeout; never on the agent's worker
 pool, so Hellos naming endpoints that never answer cannot hold it; beyond
 ``MAX_QUEUED_HELLOS`` waiting, a Hello is rejected at once as busy): check the pair
-with :func:`~kvhandoff.session.compat.check_hello`; if it is compatible, connect this
+with :func:`~kvhandoff.session.compat.answer_hello`; if it is compatible, connect this
 rank's transport to the decode rank's transport endpoint (prefill *writes* into decode
 memory); answer ``HelloAck`` (with this rank's
 layout, so decode can rebuild plans to verify checksums) or ``HelloReject`` naming every
@@ -44,12 +44,10 @@ from kvhandoff.protocol import (
     HelloAck,
     HelloReject,
     Message,
-    ProtocolError,
     RankId,
-    layout_from_msg,
     layout_to_msg,
 )
-from kvhandoff.session.compat import check_hello
+from kvhandoff.session.compat import answer_hello
 from kvhandoff.transport.base import Peer, Transport
 from kvhandoff.transport.errors import TransportError
 from kvhandoff.transport.throttle import Throttle
@@ -186,13 +184,8 @@ class DecodePeers:
             return self._reject(f"Hello came from {sender} but names control endpoint "
                                 f"{hello.control_endpoint}; each rank must send from the "
                                 f"endpoint it advertises"), None
-        try:
-            layout = layout_from_msg(hello.layout)
-        except ProtocolError as e:
-            return self._reject(str(e)), None
-        return check_hello(hello, layout, layout=self._layout, transport=self._transport.name,
-                           rank=self._rank,
-                           memory_kinds=self._transport.capabilities.memory), layout
+        return answer_hello(hello, layout=self._layout, transport=self._transport.name,
+                            rank=self._rank, memory_kinds=self._transport.capabilities.memory)
 
     def _connect(self, hello: Hello, layout: Layout, ack: HelloAck
                  ) -> DecodePeer | HelloReject:

@@ -139,7 +139,7 @@ def hello(layout: Layout, **kw: object) -> Hello:
 @pytest.mark.parametrize("d", range(4))
 def test_a_compatible_hello_is_acked_with_the_planner_writes_bit(d: int) -> None:
     mine, theirs = lay(tp_rank=1, tp_size=2), lay(tp_rank=d, tp_size=4)
-    reply = answer_hello(hello(theirs), layout=mine, transport="tcp", rank=PREFILL)
+    reply, _ = answer_hello(hello(theirs), layout=mine, transport="tcp", rank=PREFILL)
     assert isinstance(reply, HelloAck)
     assert reply.writes is writes(mine, theirs)
     assert reply.writes is (d >= 2)  # decode d reads its head and aux from prefill d // 2
@@ -147,7 +147,7 @@ def test_a_compatible_hello_is_acked_with_the_planner_writes_bit(d: int) -> None
 
 
 def test_an_incompatible_hello_is_rejected_with_every_problem() -> None:
-    reply = answer_hello(hello(lay(replace(QWEN, conv_kernel=3)), transport="nixl"),
+    reply, _ = answer_hello(hello(lay(replace(QWEN, conv_kernel=3)), transport="nixl"),
                          layout=lay(), transport="tcp", rank=PREFILL)
     assert isinstance(reply, HelloReject)
     assert reply.problems[0].startswith("transport: prefill uses 'tcp', decode uses 'nixl'")
@@ -157,14 +157,14 @@ def test_an_incompatible_hello_is_rejected_with_every_problem() -> None:
 def test_a_hello_whose_layout_does_not_rebuild_is_rejected() -> None:
     h = hello(lay())
     bad = msgspec.structs.replace(h, layout=msgspec.structs.replace(h.layout, signature="x"))
-    reply = answer_hello(bad, layout=lay(), transport="tcp", rank=PREFILL)
+    reply, _ = answer_hello(bad, layout=lay(), transport="tcp", rank=PREFILL)
     assert isinstance(reply, HelloReject)
     assert "signature" in reply.problems[0]
 
 
 def test_a_hello_whose_rank_disagrees_with_its_layout_is_rejected() -> None:
     h = hello(lay(tp_rank=1, tp_size=2), rank=RankId(instance="decode", tp_rank=0, tp_size=2))
-    reply = answer_hello(h, layout=lay(), transport="tcp", rank=PREFILL)
+    reply, _ = answer_hello(h, layout=lay(), transport="tcp", rank=PREFILL)
     assert isinstance(reply, HelloReject)
     assert reply.problems == ("decode rank decode dp0 tp0/2 pp0/1 sent a layout of tp 1/2 "
                               "pp 0/1",)
@@ -208,16 +208,17 @@ def test_an_accepted_rank_keeps_the_layout_its_hello_was_checked_with(
     with, so no plan compares two equal layouts field by field."""
     from types import SimpleNamespace
 
+    import kvhandoff.session.compat as compat_mod
     import kvhandoff.session.peers as peers_mod
 
     checked: list[Layout] = []
-    check = peers_mod.check_hello
+    check = compat_mod.check_hello
 
     def spy(h: Hello, peer: Layout, **kw: Any) -> HelloAck | HelloReject:
         checked.append(peer)
         return check(h, peer, **kw)
 
-    monkeypatch.setattr(peers_mod, "check_hello", spy)
+    monkeypatch.setattr(compat_mod, "check_hello", spy)
     mine, theirs = lay(tp_rank=1, tp_size=2), lay(tp_rank=1, tp_size=2)
     dialed = _Dialed()
     transport = SimpleNamespace(name="tcp", capabilities=SimpleNamespace(memory=None),
