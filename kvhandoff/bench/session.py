@@ -23,10 +23,11 @@ Runs over loopback tcp by default (``--transport`` picks another).
   64: ≥ 0.8× raw (``--rounds``: how many rounds at 64, default 5 with ``--quick``, else
   30; 256 and 1,024 run as many requests in fewer rounds, at least 3). Each side builds
   its requests' index lists before the clock starts, as the raw side builds its plans:
-  an engine already holds them. Prefill hands a round's requests over inside
+  an engine already holds them. Each side opens a round's requests inside
   ``Agent.batched_writes()``, as an engine step does (the vLLM connector's ``start``):
-  the writes of requests whose indices are already in go out together instead of one
-  submit each.
+  on prefill the writes of requests whose indices are already in go out together
+  instead of one submit each; on decode the indices go out as one message per
+  prefill rank instead of one per request.
 * **big** — one hybrid request of ~64 MiB (16 layers: 12 GDN with their SSM/conv state,
   4 attention layers of KV) in one chunk: session handoff time next to the bare
   transport time for the same plan, alternating (each session handoff is followed by a
