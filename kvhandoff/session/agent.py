@@ -177,7 +177,8 @@ class Agent:
         submit and one in-band notice for all; :mod:`~kvhandoff.session.write_batch`);
         writes decided on the control thread are always batched per burst of messages.
         Decode: the calling thread's Receivers' indices go out as one message per prefill
-        rank when it exits (:mod:`~kvhandoff.session.post_batch`)."""
+        rank when it exits (:mod:`~kvhandoff.session.post_batch`). Nothing held leaves
+        before the block exits: never wait on one of its requests inside it."""
         desk = self._desk
         return desk.writes.held() if isinstance(desk, PrefillDesk) else self._posts.held()
 
