@@ -295,11 +295,10 @@ def _decode(conn: Connection, url: str, transport: str, in_band: bool, secret_fi
                 create_transport(transport) as raw:  # the raw baseline's receiver
             raw.register(lay)
             conn.send(raw.endpoint())
-            # the engine holds its requests' index lists: built before the clock
-            reqs = ([_request(case, lay, lay, i) for i in range(n)]
-                    if _kind(phase) == "throughput" else [])
             with _static_heap():
                 if _kind(phase) == "throughput":
+                    # the engine holds its requests' index lists: built before the clock
+                    reqs = [_request(case, lay, lay, i) for i in range(n)]
                     for r in range(rounds):
                         conn.recv()  # go
                         conn.send(_decode_round(agent, url, reqs, lay, r))
