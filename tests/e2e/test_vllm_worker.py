@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvhandoff.integrations.vllm.host_staging import kv_memory, tensor_info
+from kvhandoff.integrations.vllm.host_staging import HostStaging, kv_memory, tensor_info
 from kvhandoff.integrations.vllm.layout import GroupInfo, MambaInfo, TensorInfo, build_layout
 from kvhandoff.integrations.vllm.requests import RecvReq, SendReq, StepMeta
 from kvhandoff.integrations.vllm.worker import AuxRows, WorkerSide, block_bytes
@@ -231,8 +231,12 @@ def test_a_staged_handoff_lands_byte_exact_in_the_device_tensors(
     """Prefill copies its blocks device → mirror, the transport moves mirror → mirror,
     decode copies mirror → device before it reports the request: decode's device memory
     then holds prefill's attention pages and Mamba state at decode's block ids, and
-    nothing else."""
+    nothing else. With a GPU, every mirror is page-locked (no pageable fallback)."""
     p, d, url = staged
+    for side in (p, d):
+        assert isinstance(side.worker.staging, HostStaging) and side.device is not None
+        if side.device.is_cuda:
+            assert all(m.is_pinned() for m in side.worker.staging.mirrors.values())
     before = p.memory().copy()
     p.worker.start(StepMeta(sends=[SendReq("p-s", ((3,), (1, 2)), 40)]))
     d.worker.start(StepMeta(recvs=[RecvReq("d-s", "p-s", url, p.worker.agent.config.instance,
@@ -279,6 +283,22 @@ def test_a_send_with_a_block_outside_the_cache_fails_alone(
     p.worker.start(StepMeta(sends=[SendReq("p-x", ((BLOCKS,), (1,)), 20)]))
     _until(p, "p-x", 0)
     assert p.worker.stats.take()["outcomes"][0][1] != "success"
+
+
+def test_closing_a_worker_closes_its_staging_after_its_transport() -> None:
+    """The worker owns the staging it was given: its mirrors are unregistered once the
+    transport that wrote into them is closed (shm's decode mirror lives in shm's own
+    memory)."""
+    with _sides("shm", "cpu") as (p, d, _):
+        for side in (p, d):
+            w = side.worker
+            assert w.staging is not None
+            order: list[str] = []
+            agent_close, staging_close = w.agent.close, w.staging.close
+            w.agent.close = lambda a=agent_close, o=order: (o.append("agent"), a())[1]
+            w.staging.close = lambda c=staging_close, o=order: (o.append("staging"), c())[1]
+            w.close()
+            assert order == ["agent", "staging"]
 
 
 class CountingTcp(TcpTransport):

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 
+from kvhandoff.integrations.vllm import host_staging
 from kvhandoff.integrations.vllm.host_staging import (
     HostStaging,
     StagingError,
@@ -181,6 +183,67 @@ def test_the_layout_of_the_mirror_is_the_devices_shifted() -> None:
             for c in lay.components for t in c.tensors]
 
     assert layout(st.mirrors) == layout(tensors)
+
+
+class FakeCudart:
+    """CUDA's host registrations as a set of addresses, as the runtime answers: an
+    address registered twice is error 712, an unknown one unregistered is 713."""
+
+    def __init__(self, *registered: int) -> None:
+        self.registered = set(registered)
+        self.unregistered: list[int] = []
+
+    def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:
+        if ptr in self.registered:
+            return 712
+        self.registered.add(ptr)
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        self.unregistered.append(ptr)
+        if ptr not in self.registered:
+            return 713
+        self.registered.remove(ptr)
+        return 0
+
+
+def _from(buffers: list[np.ndarray]) -> Callable[[int], np.ndarray]:
+    """A transport's ``allocate`` that hands out these buffers in turn."""
+    return lambda nbytes: buffers.pop(0)[:nbytes]
+
+
+def test_close_unregisters_each_mirror_it_registered_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mirrors in a transport's memory (shm) are registered with CUDA by hand; left
+    registered when that memory is unmapped, the address stays CUDA's and the next
+    mirror mapped there cannot be pinned (what a GPU run showed: error 712)."""
+    cuda = FakeCudart()
+    monkeypatch.setattr(host_staging, "_cudart", lambda: cuda)
+    other = torch.zeros(3, NB, 5, dtype=torch.float32)
+    bufs = [np.zeros(NB * PAGE, np.uint8), np.zeros(other.nbytes, np.uint8)]
+    ptrs = {int(b.ctypes.data) for b in bufs}
+    st = HostStaging({**_views(_pool(True)), "other": other}, (("raw",), ("attn", "other")),
+                     block_dims=DIMS, pin=True, allocate=_from(bufs))
+    assert cuda.registered == ptrs  # one per storage, not per view
+    st.close()
+    assert cuda.registered == set() and sorted(cuda.unregistered) == sorted(ptrs)
+    st.close()  # idempotent
+    assert len(cuda.unregistered) == 2
+
+
+def test_memory_it_could_not_register_is_not_unregistered(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    buf = np.zeros(NB * PAGE, np.uint8)
+    cuda = FakeCudart(int(buf.ctypes.data))  # someone else's registration
+    monkeypatch.setattr(host_staging, "_cudart", lambda: cuda)
+    st = HostStaging(_views(_pool(True)), GROUPS, block_dims=DIMS, pin=True,
+                     allocate=_from([buf]))
+    assert "cannot page-lock the 4096 B staging mirror (CUDA error 712)" in caplog.text
+    st.close()
+    assert cuda.unregistered == [] and cuda.registered == {int(buf.ctypes.data)}
+    torchs = HostStaging(_views(_pool(True)), GROUPS, block_dims=DIMS)
+    torchs.close()  # torch allocated (and, with CUDA, pinned) the mirror: torch unpins it
+    assert cuda.unregistered == []
 
 
 def test_kv_memory_mirrors_only_when_asked_or_needed() -> None:

@@ -52,7 +52,6 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from kvhandoff.integrations.vllm.host_staging import (
-    HostStaging,
     flag,
     kv_memory,
     tensor_info,
@@ -139,7 +138,6 @@ class KvhandoffConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._gpu_direct = flag(extra, "gpu_direct")
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
-        self._staging: HostStaging | None = None
         if role == KVConnectorRole.SCHEDULER:
             specs = [kv_cache_config.kv_cache_groups[i].kv_cache_spec for i in ids]
             self._sched = SchedulerSide(SchedulerConfig(
@@ -182,7 +180,6 @@ class KvhandoffConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         except BaseException:
             mem.close()
             raise
-        self._staging = mem.staging
         log.info("kvhandoff %s worker tp %d/%d ready: %s", "prefill" if self.producer
                  else "decode", rank, tp, layout.describe())
 
@@ -232,9 +229,6 @@ class KvhandoffConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                                     per_engine_labelvalues)
 
     def shutdown(self) -> None:
-        if self._staging is not None:
-            self._staging.close()
-            self._staging = None
         if self._worker is not None:
             self._worker.close()
             self._worker = None

@@ -103,18 +103,20 @@ def _cudart() -> Any:
 
 
 def host_storage(nbytes: int, *, pin: bool, allocate: Allocate | None = None
-                 ) -> torch.UntypedStorage:
+                 ) -> tuple[torch.UntypedStorage, bool]:
     """``nbytes`` of zeroed host memory (from ``allocate`` when given), page-locked when
-    ``pin``: torch pins its own allocations; others are registered with CUDA."""
+    ``pin``: torch pins its own allocations; others are registered with CUDA. Also says
+    whether it registered the memory (then ``cudaHostUnregister`` is the caller's)."""
     if allocate is None:
-        return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin).untyped_storage()
+        return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin).untyped_storage(), False
     st = torch.from_numpy(allocate(nbytes)).untyped_storage()
-    if pin and nbytes:
-        rc = _cudart().cudaHostRegister(st.data_ptr(), nbytes, 0)
-        if int(rc):
-            log.warning("kvhandoff: cannot page-lock the %d B staging mirror (CUDA error %d); "
-                        "its copies run from pageable memory", nbytes, int(rc))
-    return st
+    if not (pin and nbytes):
+        return st, False
+    rc = int(_cudart().cudaHostRegister(st.data_ptr(), nbytes, 0))
+    if rc:
+        log.warning("kvhandoff: cannot page-lock the %d B staging mirror (CUDA error %d); "
+                    "its copies run from pageable memory", nbytes, rc)
+    return st, not rc
 
 
 def tensor_info(t: torch.Tensor) -> TensorInfo:
@@ -156,6 +158,7 @@ class HostStaging:
         self.pinned = pin
         dims = dict(block_dims or {})
         self._storages: dict[tuple[str, int, int], torch.UntypedStorage] = {}
+        self._registered: list[int] = []  # what close() unregisters, each address once
         self._layers: dict[str, StagedTensor] = {}
         for names in groups:
             for name in names:
@@ -176,8 +179,11 @@ class HostStaging:
         key = storage_key(t)
         st = self._storages.get(key)
         if st is None:
-            st = self._storages[key] = host_storage(t.untyped_storage().nbytes(), pin=pin,
-                                                    allocate=self._allocate)
+            st, registered = host_storage(t.untyped_storage().nbytes(), pin=pin,
+                                          allocate=self._allocate)
+            self._storages[key] = st
+            if registered:
+                self._registered.append(st.data_ptr())
         return StagedTensor(name, t, mirror_view(t, st), dim)
 
     @property
@@ -191,12 +197,12 @@ class HostStaging:
         return sum(st.nbytes() for st in self._storages.values())
 
     def close(self) -> None:
-        """Unregister the mirrors CUDA page-locked for us (torch unpins its own)."""
-        if self._allocate is None or not self.pinned:
-            return
-        for st in self._storages.values():
-            if st.nbytes():
-                _cudart().cudaHostUnregister(st.data_ptr())
+        """Unregister the mirrors CUDA page-locked for us (torch unpins its own), each
+        once, and only those: left registered, an address the mirror's mapping frees
+        keeps CUDA's registration, and whatever is mapped there next cannot be pinned.
+        Idempotent; the mirrors stay readable."""
+        while self._registered:
+            _cudart().cudaHostUnregister(self._registered.pop())
 
     def to_host(self, blocks: Sequence[Sequence[int]]) -> None:
         """Prefill: copy these blocks (one list per group) device → host, and wait."""

@@ -20,7 +20,8 @@ SUCCESS) from a small pool for its lifetime.
 With a :class:`Staging` (vLLM's KV in GPU memory over tcp/shm, or ``host_staging``), the
 layout describes a host mirror: prefill copies a request's blocks into it before its
 send starts, decode copies them out of it once the receive succeeded and before vLLM
-hears of it (a copy that fails fails the load).
+hears of it (a copy that fails fails the load). The worker owns the staging: closing
+the worker closes it, after the transport.
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ class Staging(Protocol):
     def to_host(self, blocks: Sequence[Sequence[int]]) -> None: ...
 
     def to_device(self, blocks: Sequence[Sequence[int]]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class AuxRows:
@@ -347,6 +350,8 @@ class WorkerSide:
             if e.receiver is not None:
                 e.receiver.abort("vLLM worker shutting down")
         self.agent.close()
+        if self.staging is not None:  # once the transport is closed: nothing writes there
+            self.staging.close()
 
 
 def _append_dump(rows: list[dict[str, Any]]) -> None:
