@@ -16,13 +16,12 @@ from kvhandoff.plan.compat import (
     pair_layouts,
     unit_kind,
 )
-from kvhandoff.plan.model import Plan, TensorPlan, Writer, _entry, with_template
+from kvhandoff.plan.model import Part, Plan, TensorPlan, Units, from_parts, part_entries
 from kvhandoff.plan.pairing import check_unique, pair_items, ring_units, token_units
-from kvhandoff.plan.request import IndexArray, Indices, Request, index_range
+from kvhandoff.plan.request import IndexArray, Indices, Request
 
-_ComponentFn = Callable[[ComponentPair, Indices, list[str]],
-                        tuple[list[TensorPlan], list[Writer] | None]]
-"""A component's entries, and the templates they came from (None: not all did)."""
+_ComponentFn = Callable[[ComponentPair, Indices, list[str]], list[TensorPlan] | Part]
+"""A component's entries, or its part (the fast path's: entries made when read)."""
 
 
 def plan(src: Layout, dst: Layout, request: Request) -> Plan:
@@ -53,17 +52,26 @@ def _plan(src: Layout, dst: Layout, request: Request, component: _ComponentFn) -
             f"missing {sorted(missing)} (use None for a component that does not move now)"
         )
     notes: list[str] = []
-    entries: list[TensorPlan] = []
-    template: list[Writer] | None = []
+    parts: list[Part] = []
+    entries: list[TensorPlan] | None = None  # once a component went entry by entry
     for comp in pair.components:
         idx = request[comp.name]
-        if idx is not None:
-            got, writers = component(comp, idx, notes)
-            entries.extend(got)
-            template = None if template is None or writers is None else template + writers
-    p = Plan(entries=tuple(entries), src_tp_rank=src.tp_rank, dst_tp_rank=dst.tp_rank,
-             notes=tuple(notes))
-    return p if template is None else with_template(p, tuple(template))
+        if idx is None:
+            continue
+        got = component(comp, idx, notes)
+        if isinstance(got, list):
+            if entries is None:
+                entries = part_entries(parts)
+            entries += got
+        elif entries is not None:
+            entries += part_entries([got])
+        else:
+            parts.append(got)
+    if entries is None:
+        return from_parts(tuple(parts), src_tp_rank=src.tp_rank, dst_tp_rank=dst.tp_rank,
+                          notes=tuple(notes))
+    return Plan(entries=tuple(entries), src_tp_rank=src.tp_rank, dst_tp_rank=dst.tp_rank,
+                notes=tuple(notes))
 
 
 # (id(src), id(dst)) → the pair of those very objects. ``pair_layouts``' cache finds a
@@ -128,34 +136,28 @@ class _UnitCache:
 
 
 def _component(comp: ComponentPair, idx: Indices, notes: list[str]
-               ) -> tuple[list[TensorPlan], list[Writer] | None]:
+               ) -> list[TensorPlan] | Part:
     """The fast path: units once per units key, bounds against each key's tightest
-    tensor, entries from per-tensor templates (returned with them). Anything out of
-    bounds goes down the general path (sharing the units computed so far), which raises
-    exactly what it would have raised alone."""
+    tensor, and the component's part (its entries come from the table's per-tensor
+    templates when read). Anything out of bounds goes down the general path (sharing
+    the units computed so far), which raises exactly what it would have raised alone."""
     cache = _UnitCache(comp, idx, notes)
     table = comp.tables[by_rows(idx)]
     units: list[Units] = []
     for group in table.groups:
         u = cache.get(group.key)
         if len(u.src):
-            (s_lo, s_hi), (d_lo, d_hi) = u.src_range, u.dst_range
+            (s_lo, s_hi), (d_lo, d_hi) = u.ranges
             if s_lo < 0 or d_lo < 0 or s_hi > group.src_max or d_hi > group.dst_max:
                 return _component_general(comp, idx, notes, cache)
         units.append(u)
-    out, used = [], []
-    for w in table.writers:
-        u = units[w[0]]
-        if len(u.src):
-            out.append(_entry(w[1], u.src, u.dst))
-            used.append(w)
-    return out, used
+    return table, tuple(units)
 
 
 def _component_general(
     comp: ComponentPair, idx: Indices, notes: list[str], cache: _UnitCache | None = None
-) -> tuple[list[TensorPlan], None]:
-    """Tensor by tensor: validate its units, bounds-check it, emit it (no template)."""
+) -> list[TensorPlan]:
+    """Tensor by tensor: validate its units, bounds-check it, emit its entry."""
     if cache is None:
         cache = _UnitCache(comp, idx, notes)
     rows = by_rows(idx)
@@ -166,7 +168,7 @@ def _component_general(
         if not len(u.src) or not len(tp.item_pieces):
             continue
         out.append(_tensor_plan(comp.name, tp, u, by_row))
-    return out, None
+    return out
 
 
 def _tensor_plan(name: str, tp: TensorPair, u: Units, by_row: bool) -> TensorPlan:
@@ -174,24 +176,14 @@ def _tensor_plan(name: str, tp: TensorPair, u: Units, by_row: bool) -> TensorPla
     s_unit = tp.src.row_bytes if by_row else tp.src.item_stride
     d_unit = tp.dst.row_bytes if by_row else tp.dst.item_stride
     s_ext, d_ext = tp.row_extent if by_row else tp.item_extent
-    _bounds(name, tp.src, "prefill", u.src_range, s_unit, s_ext)
-    _bounds(name, tp.dst, "decode", u.dst_range, d_unit, d_ext)
+    src_range, dst_range = u.ranges
+    _bounds(name, tp.src, "prefill", src_range, s_unit, s_ext)
+    _bounds(name, tp.dst, "decode", dst_range, d_unit, d_ext)
     return TensorPlan(
         component=name, tensor=tp.src.name, layer_id=tp.src.layer_id,
         src_ptr=tp.src.ptr, dst_ptr=tp.dst.ptr, src_unit=s_unit, dst_unit=d_unit,
         src_idx=u.src, dst_idx=u.dst, pieces=pcs,
     )
-
-
-class Units:
-    """Paired unit indices of one component, with their ranges computed once."""
-
-    __slots__ = ("dst", "dst_range", "src", "src_range")
-
-    def __init__(self, src: IndexArray, dst: IndexArray) -> None:
-        self.src, self.dst = src, dst
-        self.src_range = index_range(src)
-        self.dst_range = index_range(dst)
 
 
 def _bounds(

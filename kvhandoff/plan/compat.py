@@ -68,6 +68,8 @@ class UnitTable:
     groups: tuple[UnitGroup, ...]  # in order of first use
     # per writing tensor pair, in order: (index into groups, the fixed TensorPlan fields)
     writers: tuple[tuple[int, dict[str, object]], ...]
+    # per group: the bytes one of its units moves, summed over the writers that use it
+    unit_bytes: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,6 +254,7 @@ def _max_index(unit: int, extent: int, nbytes: int) -> int:
 
 def unit_table(name: str, tensors: tuple[TensorPair, ...], rows: bool) -> UnitTable:
     keys: dict[UnitsKey, list[int]] = {}  # key -> [src_max, dst_max]
+    per_key: dict[UnitsKey, int] = {}  # key -> bytes per unit, over its writers
     writers: list[tuple[int, dict[str, object]]] = []
     for tp in tensors:
         key, by_row = unit_kind(tp, rows)
@@ -265,10 +268,11 @@ def unit_table(name: str, tensors: tuple[TensorPair, ...], rows: bool) -> UnitTa
         lim[0] = min(lim[0], _max_index(s_unit, s_ext, tp.src.nbytes))
         lim[1] = min(lim[1], _max_index(d_unit, d_ext, tp.dst.nbytes))
         per_unit = int(sum(row[2] * row[3] for row in pcs.tolist()))
+        per_key[key] = per_key.get(key, 0) + per_unit
         writers.append((list(keys).index(key), {
             "component": name, "tensor": tp.src.name, "layer_id": tp.src.layer_id,
             "src_ptr": tp.src.ptr, "dst_ptr": tp.dst.ptr, "src_unit": s_unit,
             "dst_unit": d_unit, "pieces": pcs, "_per_unit": per_unit,
         }))
     groups = tuple(UnitGroup(k, v[0], v[1]) for k, v in keys.items())
-    return UnitTable(groups, tuple(writers))
+    return UnitTable(groups, tuple(writers), tuple(per_key.get(k, 0) for k in keys))

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvhandoff.plan.model import Plan, TensorPlan, _entry
+from kvhandoff.plan.model import Part, Plan, TensorPlan, Units, _entry, from_parts
 from kvhandoff.plan.request import IndexArray
 
 # what must agree for two entries to become one (everything but the index arrays): the
@@ -25,6 +25,7 @@ _KEYED = ("component", "tensor", "layer_id", "src_ptr", "dst_ptr", "src_unit", "
 _FIXED = (*_KEYED, "pieces", "_per_unit")  # what a merged entry copies from the first
 _fixed_key = operator.attrgetter(*_KEYED)
 _pieces = operator.attrgetter("pieces")
+_table = operator.itemgetter(0)  # a part's unit table
 
 
 def merge(plans: Sequence[Plan]) -> Plan:
@@ -46,36 +47,41 @@ def merge(plans: Sequence[Plan]) -> Plan:
         raise ValueError(f"merge() takes plans between one pair of ranks, got (src, dst) "
                          f"tp ranks {sorted(ranks)}")
     joined: dict[tuple[int, ...], IndexArray] = {}
-    entries = _templated(plans, joined)
-    if entries is None:
-        entries = _aligned(plans, joined)
+    notes = tuple(n for p in plans for n in p.notes)
+    parts = _by_parts(plans, joined)
+    if parts is not None:
+        return from_parts(parts, src_tp_rank=first.src_tp_rank,
+                          dst_tp_rank=first.dst_tp_rank, notes=notes)
+    entries = _aligned(plans, joined)
     if entries is None:
         entries = _grouped(plans, joined)
-    notes = tuple(n for p in plans for n in p.notes)
     return Plan(entries=tuple(entries), src_tp_rank=first.src_tp_rank,
                 dst_tp_rank=first.dst_tp_rank, notes=notes)
 
 
-def _templated(plans: Sequence[Plan], joined: dict[tuple[int, ...], IndexArray]
-               ) -> list[TensorPlan] | None:
-    """The planner's own plans, all from one template (one layout pair, the same
-    components moving: a burst of like requests): entry ``i`` of every plan is the same
-    tensor pair, so each column is one group, and the columns of one component's units
-    share their index arrays in every plan; each is concatenated once, no field
-    compared. ``None`` when the plans do not share a template."""
-    first = plans[0]._template
+def _by_parts(plans: Sequence[Plan], joined: dict[tuple[int, ...], IndexArray]
+           ) -> tuple[Part, ...] | None:
+    """The planner's own plans, made of the same unit tables (one layout pair, the
+    same components moving: a burst of like requests): each table's writers become one
+    entry each, over the plans' units joined group by group, no field compared (a
+    plan with a group empty adds nothing to it). ``None`` when the plans are not all
+    made of the same tables."""
+    first = plans[0]._parts
     if first is None:
         return None
-    n = len(first)
-    for p in plans[1:]:
-        t = p._template
-        if t is None or len(t) != n or not all(map(operator.is_, t, first)):
+    tables = tuple(map(_table, first))
+    every: list[tuple[Part, ...]] = []
+    for p in plans:
+        ps = p._parts
+        if ps is None or len(ps) != len(tables) or not all(
+                map(operator.is_, tables, map(_table, ps))):
             return None
-    cols: dict[tuple[object, int], int] = {}  # (component, units index) -> first column
-    rep = [cols.setdefault((fixed["component"], k), i) for i, (k, fixed) in enumerate(first)]
-    src = {i: _join(joined, [p.entries[i].src_idx for p in plans]) for i in cols.values()}
-    dst = {i: _join(joined, [p.entries[i].dst_idx for p in plans]) for i in cols.values()}
-    return [_entry(fixed, src[r], dst[r]) for (_, fixed), r in zip(first, rep, strict=True)]
+        every.append(ps)
+    return tuple(
+        (table, tuple(Units(_join(joined, [ps[i][1][k].src for ps in every]),
+                            _join(joined, [ps[i][1][k].dst for ps in every]))
+                      for k in range(len(units))))
+        for i, (table, units) in enumerate(first))
 
 
 def _aligned(plans: Sequence[Plan], joined: dict[tuple[int, ...], IndexArray]

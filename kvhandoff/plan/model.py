@@ -12,13 +12,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 
 from kvhandoff.plan.format import format_plan
-from kvhandoff.plan.request import IndexArray
+from kvhandoff.plan.request import IndexArray, index_range
 from kvhandoff.plan.runs import run_starts, runs
+
+if TYPE_CHECKING:
+    from kvhandoff.plan.compat import UnitTable
 
 I64 = npt.NDArray[np.int64]
 
@@ -106,24 +110,6 @@ def _layer_runs(group: Sequence[TensorPlan]) -> Segments:
                     np.tile(counts * unit, len(group)))
 
 
-Writer = tuple[int, dict[str, object]]
-"""One entry's template in a component's unit table (``UnitTable.writers``): the index
-of its units among the component's, and every field of the entry but the index arrays."""
-
-Template = tuple[Writer, ...]
-"""A plan's writers, entry by entry. Two plans whose templates are the same objects,
-writer by writer, have the same entries in the same order (one per tensor pair, each
-moving bytes), and within each plan the entries of one component with the same units
-index share their index arrays: :func:`~kvhandoff.plan.merge.merge` joins them without
-comparing a field."""
-
-
-def with_template(p: Plan, template: Template) -> Plan:
-    """``p``, marked as built entry by entry from ``template`` (the planner's fast path)."""
-    object.__setattr__(p, "_template", template)
-    return p
-
-
 _new = object.__new__
 
 
@@ -136,6 +122,55 @@ def _entry(fixed: dict[str, object], src_idx: IndexArray, dst_idx: IndexArray) -
     d["src_idx"] = src_idx
     d["dst_idx"] = dst_idx
     return e
+
+
+class Units:
+    """Paired unit indices of one component (for one units key), with their ranges
+    computed once, when first asked (the planner's bounds checks ask; a merge's joined
+    units are never checked)."""
+
+    __slots__ = ("_ranges", "dst", "src")
+
+    def __init__(self, src: IndexArray, dst: IndexArray) -> None:
+        self.src, self.dst = src, dst
+        self._ranges: tuple[tuple[int, int], tuple[int, int]] | None = None
+
+    @property
+    def ranges(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """``(index_range(src), index_range(dst))``."""
+        if self._ranges is None:
+            self._ranges = (index_range(self.src), index_range(self.dst))
+        return self._ranges
+
+
+Part = tuple["UnitTable", tuple[Units, ...]]
+"""One component as the planner's fast path planned it: its unit table (what depends
+on the layouts alone) and the request's units, one per table group. Its entries are the
+table's writers whose units are not empty, in order."""
+
+
+def part_entries(parts: Sequence[Part]) -> list[TensorPlan]:
+    """The entries of ``parts``, part by part."""
+    out = []
+    for table, units in parts:
+        for k, fixed in table.writers:
+            u = units[k]
+            if len(u.src):
+                out.append(_entry(fixed, u.src, u.dst))
+    return out
+
+
+def from_parts(parts: tuple[Part, ...], *, src_tp_rank: int, dst_tp_rank: int,
+               notes: tuple[str, ...]) -> Plan:
+    """The plan of ``parts``, equal to ``Plan(entries=tuple(part_entries(parts)), ...)``,
+    whose entries are made when first read. Most plans of a burst are only counted and
+    merged (:func:`~kvhandoff.plan.merge.merge` joins their parts), so theirs never are."""
+    p: Plan = _new(Plan)
+    p.__dict__.update(src_tp_rank=src_tp_rank, dst_tp_rank=dst_tp_rank, notes=notes,
+                      _nbytes=sum(len(u.src) * n for table, units in parts
+                                  for u, n in zip(units, table.unit_bytes, strict=True)),
+                      _parts=parts)
+    return p
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,9 +212,13 @@ class Segments:
         return Segments(self.src[starts], self.dst[starts], np.add.reduceat(self.length, starts))
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class Plan:
-    """Everything one source rank writes into one destination rank for one call."""
+    """Everything one source rank writes into one destination rank for one call.
+
+    (No ``__slots__``: a plan the planner's fast path builds holds its parts, and its
+    ``entries`` are made from them on first read, see :func:`from_parts`.)
+    """
 
     entries: tuple[TensorPlan, ...]
     src_tp_rank: int = 0
@@ -187,9 +226,20 @@ class Plan:
     notes: tuple[str, ...] = field(default=())  # trims and other non-fatal decisions
     # nbytes, computed on first use (the sender, the write batcher and the transport ask)
     _nbytes: int = field(default=-1, init=False, repr=False, compare=False)
-    # the planner's template of each entry, when every entry came from one (its fast
-    # path): see ``Template``. Not an init field, so ``dataclasses.replace`` drops it.
-    _template: Template | None = field(default=None, init=False, repr=False, compare=False)
+    # the planner's parts, when every entry came from one (its fast path): see ``Part``.
+    # Not an init field, so ``dataclasses.replace`` drops it.
+    _parts: tuple[Part, ...] | None = field(default=None, init=False, repr=False,
+                                            compare=False)
+
+    def __getattr__(self, name: str) -> object:
+        """Only for an attribute never set: the entries of a plan made by
+        :func:`from_parts`, made now and kept."""
+        parts = self.__dict__.get("_parts")
+        if name != "entries" or parts is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        entries = tuple(part_entries(parts))
+        object.__setattr__(self, "entries", entries)
+        return entries
 
     @property
     def nbytes(self) -> int:

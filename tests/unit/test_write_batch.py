@@ -18,6 +18,7 @@ from kvhandoff import shapes
 from kvhandoff.plan import Plan, TensorPlan, plan
 from kvhandoff.plan import merge as merge_module
 from kvhandoff.plan.merge import merge
+from kvhandoff.plan.model import part_entries
 from kvhandoff.protocol import Outcome, RankId, TransferStatus, decode_notice
 from kvhandoff.session.completion import Callback
 from kvhandoff.session.notices import in_band_all
@@ -128,35 +129,37 @@ def hybrid_plans(n: int, *, state_from: int = 0) -> list[Plan]:
     return out
 
 
-def test_merge_of_the_planners_like_plans_joins_them_by_template() -> None:
-    """Plans of like requests share the planner's template: merged column by column
-    without comparing fields, they give what the general grouping gives, each
-    component's index arrays concatenated once and shared by its tensors."""
+def test_merge_of_the_planners_like_plans_joins_their_parts() -> None:
+    """Plans of like requests are made of the planner's same unit tables: merged group by
+    group without comparing fields, they give what the general grouping gives, each
+    component's index arrays concatenated once and shared by its tensors, and the
+    merged plan's entries are made only when read."""
     plans = hybrid_plans(6)
-    assert all(p._template is not None for p in plans)
-    fast = merge_module._templated(plans, {})
-    assert fast is not None
+    assert all(p._parts is not None and "entries" not in vars(p) for p in plans)
+    parts = merge_module._by_parts(plans, {})
+    assert parts is not None
     general = merge_module._grouped(plans, {})
-    assert entries_of(Plan(entries=tuple(fast))) == entries_of(Plan(entries=tuple(general)))
+    assert entries_of(Plan(entries=tuple(part_entries(parts)))) == entries_of(
+        Plan(entries=tuple(general)))
     m = merge(plans)
+    assert "entries" not in vars(m) and m.nbytes == sum(p.nbytes for p in plans)
     assert moved(m) == sorted(x for p in plans for x in moved(p))
-    assert m.nbytes == sum(p.nbytes for p in plans)
+    assert m.nbytes == sum(e.nbytes for e in m.entries)  # the same count, entry by entry
     by_comp: dict[str, set[int]] = {}
     for e in m.entries:
         by_comp.setdefault(e.component, set()).add(id(e.src_idx))
     assert len(by_comp) > 2 and all(len(ids) == 1 for ids in by_comp.values())
 
 
-def test_merge_takes_the_template_only_when_every_plan_shares_it() -> None:
-    """A plan that moves fewer components, one that is not the planner's (a replaced
-    copy drops the template), or no template at all: the field-by-field paths decide,
-    and the bytes are the same."""
+def test_merge_takes_the_parts_only_when_every_plan_has_the_same_tables() -> None:
+    """A plan that moves fewer components, or one that is not the planner's (a replaced
+    copy drops the parts): the field-by-field paths decide, and the bytes are the same."""
     like = hybrid_plans(3)
     fewer = hybrid_plans(3, state_from=2)  # the first two move only KV and aux
     copied = dataclasses.replace(like[1])
-    assert copied._template is None and copied == like[1]
+    assert copied._parts is None and copied == like[1]
     for plans in ([*like, fewer[0]], [like[0], copied, like[2]]):
-        assert merge_module._templated(plans, {}) is None
+        assert merge_module._by_parts(plans, {}) is None
         assert moved(merge(plans)) == sorted(x for p in plans for x in moved(p))
 
 
