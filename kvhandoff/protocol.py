@@ -136,13 +136,20 @@ def pack_indices(values: object) -> bytes:
     return arr.astype("<i8", copy=False).tobytes()
 
 
+_WIRE_I64 = np.dtype("<i8")  # index lists travel little-endian
+_NATIVE = np.dtype(np.int64) == _WIRE_I64
+
+
 def unpack_indices(data: bytes | bytearray | memoryview, what: str = "index list") -> IndexArray:
     """The read-only int64 array packed in ``data``; :class:`ProtocolError` unless its
     length is a whole number of 8-byte entries."""
     if len(data) % 8:
         raise ProtocolError(f"{what}: {len(data)} bytes is not a whole number of int64 entries")
-    arr = np.frombuffer(bytes(data), dtype="<i8").astype(np.int64, copy=False)
-    arr.flags.writeable = False
+    # an array over bytes (immutable) is read-only already
+    arr = np.frombuffer(data if type(data) is bytes else bytes(data), dtype=_WIRE_I64)
+    if not _NATIVE:  # a big-endian host: a native copy, read-only too
+        arr = arr.astype(np.int64)
+        arr.flags.writeable = False
     return arr
 
 

@@ -148,11 +148,12 @@ class KvCursor:
 
 def chunk_request(layout: Layout, dst: Mapping[str, IndexListMsg | None], *,
                   kv: Indices | None, kv_name: str | None, aux_name: str | None,
-                  aux_row: int | None, state: StateLists | None, last: bool
+                  aux_src: IndexArray | None, state: StateLists | None, last: bool
                   ) -> dict[str, Indices | None]:
     """The planner request of one chunk for one decode rank: ``kv`` (its cursor's slice,
-    None without a cursor), and with the last chunk the aux row and every state
-    component. ``ValueError`` when the two sides disagree whether a component moves."""
+    None without a cursor), and with the last chunk the aux row (``aux_src``, as a
+    one-item list) and every state component. ``ValueError`` when the two sides disagree
+    whether a component moves."""
     req: dict[str, Indices | None] = {}
     for c in layout.components:
         d = dst.get(c.name)
@@ -160,7 +161,7 @@ def chunk_request(layout: Layout, dst: Mapping[str, IndexListMsg | None], *,
             if kv is not None or d is None:
                 req[c.name] = kv
         elif c.name == aux_name:
-            req[c.name] = None if (d is None or not last) else Indices([aux_row], d.array())
+            req[c.name] = None if (d is None or not last) else Indices(aux_src, d.array())
         elif not last:
             req[c.name] = None
         else:

@@ -133,6 +133,7 @@ def bootstrap_peers(
     return tuple(RankKey(dp_rank, tp, pp) for pp in stages for tp in tps)
 
 
+@functools.lru_cache(maxsize=256)  # asked per request, from a handful of deployments
 def decode_candidates(*, src_tp_rank: int, src_tp_size: int, src_pp_rank: int,
                       src_pp_size: int, dst_tp_size: int, dst_pp_size: int
                       ) -> tuple[tuple[int, int], ...]:

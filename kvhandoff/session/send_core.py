@@ -37,7 +37,7 @@ from kvhandoff.errors import HandoffError, LayoutMismatch, RemoteOutOfBounds
 from kvhandoff.layout import Layout
 from kvhandoff.observe import timeline as tl
 from kvhandoff.plan import Indices
-from kvhandoff.plan.request import IndexArray
+from kvhandoff.plan.request import IndexArray, as_indices
 from kvhandoff.protocol import (
     AbortAck,
     Outcome,
@@ -165,6 +165,7 @@ class SendCore(CoreBase):
         self.num_pages: int | None = None
         self._num_tokens: int | None = None
         self._aux_row: int | None = None
+        self._aux_src: IndexArray | None = None
         self._expected: frozenset[tuple[int, int]] | None = None
         self._deployment: tuple[str, int, int] | None = None
         self.targets: dict[str, _Target] = {}
@@ -206,6 +207,8 @@ class SendCore(CoreBase):
         if self.num_pages is not None:
             raise RuntimeError(f"Sender {self.request_id!r}: init() called twice")
         self.num_pages, self._aux_row, self._num_tokens = num_pages, aux_row, num_tokens
+        # the aux row as its planner list, made here (the engine's thread), not per plan
+        self._aux_src = None if aux_row is None else as_indices([aux_row], "aux row")
         self._maybe_bootstrapped()
         return self._take()
 
@@ -488,7 +491,7 @@ class SendCore(CoreBase):
         """The planner request of ``chunk`` for ``t``; ``ValueError`` when it cannot be."""
         kv = None if t.cursor is None else t.cursor.next(chunk.pages, chunk.last)
         return chunk_request(self.facts.layout, t.init.indices, kv=kv, kv_name=self.facts.kv_name,
-                             aux_name=self.facts.aux_name, aux_row=self._aux_row,
+                             aux_name=self.facts.aux_name, aux_src=self._aux_src,
                              state=chunk.state, last=chunk.last)
 
     def _chunk_done(self, t: _Target, status: TransferStatus, in_band: bool) -> None:
