@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import struct
 import zlib
 from dataclasses import dataclass
 
@@ -57,15 +58,19 @@ class AuxState(enum.StrEnum):
     CORRUPT = "corrupt"  # our guard, but the crc does not match the row
 
 
+_HEADER = struct.Struct("<QII")  # guard, crc32, magic
+_GUARD = struct.Struct("<Q")
+
+
 def stamp(row: U8, request_id: RequestId) -> None:
     """Write ``request_id``'s guard and the row's crc into its header (prefill, just
     before the last chunk is planned)."""
+    guard = request_guard(request_id)
     if len(row) >= HEADER_BYTES:
-        row[8:12] = np.frombuffer(
-            np.uint32(zlib.crc32(row[HEADER_BYTES:].tobytes())).tobytes(), np.uint8)
-        row[12:16] = np.frombuffer(np.uint32(MAGIC).tobytes(), np.uint8)
-    if len(row) >= 8:
-        row[0:8] = np.frombuffer(np.uint64(request_guard(request_id)).tobytes(), np.uint8)
+        crc = zlib.crc32(row[HEADER_BYTES:].tobytes())
+        row[:HEADER_BYTES] = np.frombuffer(_HEADER.pack(guard, crc, MAGIC), np.uint8)
+    elif len(row) >= 8:
+        row[0:8] = np.frombuffer(_GUARD.pack(guard), np.uint8)
 
 
 def clear(row: U8) -> None:
@@ -78,15 +83,18 @@ def check(row: U8, request_id: RequestId) -> tuple[AuxState, str]:
     """Whether ``request_id``'s aux row has landed intact, and if not, what was found."""
     if len(row) < 8:
         return AuxState.OK, "row too small for a guard"
-    found = int(row[0:8].view("<u8")[0])
+    whole = len(row) >= HEADER_BYTES
+    if whole:
+        found, stored, magic = _HEADER.unpack(row[:HEADER_BYTES].tobytes())
+    else:
+        (found,), magic = _GUARD.unpack(row[:8].tobytes()), 0
     if found == 0:
         return AuxState.EMPTY, "guard is 0 (nothing landed)"
     want = request_guard(request_id)
     if found != want:
         return AuxState.OTHER, f"guard {found:#018x}, expected {want:#018x}"
-    if len(row) >= HEADER_BYTES and int(row[12:16].view("<u4")[0]) == MAGIC:
+    if whole and magic == MAGIC:
         crc = zlib.crc32(row[HEADER_BYTES:].tobytes())
-        stored = int(row[8:12].view("<u4")[0])
         if crc != stored:
             return AuxState.CORRUPT, f"crc32 {crc:#010x} of the row, header says {stored:#010x}"
     return AuxState.OK, ""
