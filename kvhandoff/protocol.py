@@ -38,6 +38,7 @@ cross-field checks in ``__post_init__`` run on construction and on decode alike.
 from __future__ import annotations
 
 import enum
+import struct
 from typing import Annotated, Final
 
 import msgspec
@@ -121,11 +122,18 @@ class RankId(_Record, frozen=True):
 # Index arrays
 
 
+_WIRE_I64 = np.dtype("<i8")  # index lists travel little-endian
+_NATIVE = np.dtype(np.int64) == _WIRE_I64
+_ONE = struct.Struct("<q")
+
+
 def pack_indices(values: object) -> bytes:
     """A 1-D integer array (or sequence) as little-endian int64 bytes.
 
     Raises ``ValueError`` for anything that is not 1-D integers representable as
     int64 (a local bug: the caller built the list)."""
+    if type(values) is np.ndarray and values.dtype == _WIRE_I64 and values.ndim == 1:
+        return values.tobytes()  # the common case: already what travels
     arr = np.asarray(values)
     if arr.ndim != 1:
         raise ValueError(f"index list must be 1-D, got shape {arr.shape}")
@@ -134,10 +142,6 @@ def pack_indices(values: object) -> bytes:
     if arr.size and arr.dtype == np.uint64 and int(arr.max()) > np.iinfo(np.int64).max:
         raise ValueError("index list holds values above the int64 range")
     return arr.astype("<i8", copy=False).tobytes()
-
-
-_WIRE_I64 = np.dtype("<i8")  # index lists travel little-endian
-_NATIVE = np.dtype(np.int64) == _WIRE_I64
 
 
 def unpack_indices(data: bytes | bytearray | memoryview, what: str = "index list") -> IndexArray:
@@ -180,6 +184,11 @@ class IndexListMsg(_Record, frozen=True):
             items=pack_indices(items), first_row=first_row, num_rows=num_rows,
             positions=None if positions is None else pack_indices(positions),
         )
+
+    @classmethod
+    def one(cls, item: int) -> IndexListMsg:
+        """A one-item list (an aux row)."""
+        return cls(items=_ONE.pack(item))
 
     @property
     def num_items(self) -> int:

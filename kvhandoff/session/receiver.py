@@ -38,6 +38,7 @@ Thread-safety: every method may be called from any thread (one lock per request)
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 import urllib.parse
@@ -77,6 +78,7 @@ def route_dp(request_id: RequestId, dp_size: int) -> int:
     return int.from_bytes(h, "little") % dp_size
 
 
+@functools.lru_cache(maxsize=256)  # every Receiver asks, of a few addresses
 def bootstrap_url(addr: str) -> str:
     """``host:port`` or ``http://host:port`` as the bootstrap server's URL."""
     url = addr if "://" in addr else f"http://{addr}"
@@ -171,7 +173,7 @@ class Receiver(RequestSide):
             if aux_row is None or t is None or not 0 <= aux_row < t.capacity:
                 raise ValueError(f"aux_row must be a row of the aux tensor "
                                  f"(0..{t.capacity - 1 if t else -1}), got {aux_row}")
-            out[agent.aux_name] = IndexListMsg.of([aux_row])
+            out[agent.aux_name] = IndexListMsg.one(aux_row)
         elif aux_row is not None:
             raise ValueError("aux_row given but the layout has no aux component")
         return TransferInit(request_id=self.request_id, rank=agent.rank_id, indices=out,

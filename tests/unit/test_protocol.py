@@ -170,12 +170,26 @@ def test_pack_indices_is_little_endian_int64() -> None:
     assert pack_indices(np.array([2**40], dtype=np.uint64)) == (2**40).to_bytes(8, "little")
 
 
+def test_pack_indices_of_an_int64_array_or_a_strided_view_is_its_values() -> None:
+    a = np.arange(8, dtype=np.int64)
+    assert pack_indices(a) == pack_indices(a.tolist())
+    assert pack_indices(a[::3]) == pack_indices([0, 3, 6])  # not contiguous
+    assert IndexListMsg.one(7) == IndexListMsg.of([7]) and IndexListMsg.one(7).num_items == 1
+
+
 def test_unpack_indices_round_trips_read_only() -> None:
     values = np.array([0, 5, 2**62, -7], dtype=np.int64)
-    for buf in (pack_indices(values), bytearray(pack_indices(values))):
+    packed = pack_indices(values)
+    for buf in (packed, bytearray(packed), memoryview(packed)):
         out = unpack_indices(buf)
         assert out.dtype == np.int64 and out.tolist() == values.tolist()
         assert not out.flags.writeable
+        with pytest.raises(ValueError):
+            out.setflags(write=True)  # over immutable bytes: no one can write it
+    mutable = bytearray(packed)
+    out = unpack_indices(mutable)
+    mutable[:8] = bytes(8)  # the caller's buffer changes; the list does not
+    assert out.tolist() == values.tolist()
     assert unpack_indices(b"").shape == (0,)
 
 
