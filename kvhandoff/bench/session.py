@@ -10,7 +10,7 @@ Runs over loopback tcp by default (``--transport`` picks another).
   slot, plus the aux row), one at a time. *handoff*: from prefill's last ``send`` (its
   decode indices already in) to decode's ``SUCCESS``; *round trip*: from decode creating
   the ``Receiver`` to ``SUCCESS`` (indices to prefill, write, status back). p50 / p90 /
-  p99. Goal: handoff p50 ≤ 1 ms. Reference: one raw tcp transport write of the same plan
+  p99. Goal: handoff p50 ≤ 0.6 ms. Reference: one raw tcp transport write of the same plan
   (built beforehand); *session overhead* = handoff p50 − raw write p50 in the same run:
   what the session adds (planning, the status message, decode's checks and wake-up).
 * **metrics overhead** — the same tiny handoffs with the agents' Prometheus metrics on
@@ -148,6 +148,9 @@ def _request(case: Case, src: Layout, dst: Layout, i: int) -> dict[str, Any]:
         out[name] = idx
     return out
 
+
+P50_GOAL_MS = 0.6  # a tiny handoff's p50
+STEADY_ROUNDS = 30  # fewer rounds at 64 concurrent sample the rate, warm-up and all
 
 UNMETERED = "-unmetered"  # a phase name's suffix: its agents count nothing in the metrics
 AUTHED = "-auth"  # a phase name's suffix: its agents hold the deployment secret
@@ -544,7 +547,7 @@ def _plot(res: dict[str, Any], path: Path) -> None:
     names = ["handoff", "round_trip", "raw_transport_write"]
     for q, off in (("p50_ms", -0.25), ("p99_ms", 0.25)):
         ax[0].bar([i + off for i in range(3)], [lat[n][q] for n in names], 0.45, label=q)
-    ax[0].axhline(1.0, color="k", ls="--", lw=0.8, label="1 ms goal")
+    ax[0].axhline(P50_GOAL_MS, color="k", ls="--", lw=0.8, label=f"{P50_GOAL_MS} ms goal")
     ax[0].set_xticks(range(3), ["handoff", "round trip", "raw write"])
     ax[0].set_ylabel("ms")
     ax[0].set_title(f"tiny request latency ({lat['bytes']} B)")
@@ -577,8 +580,12 @@ def _plot(res: dict[str, Any], path: Path) -> None:
 
 def _print_scaling(res: dict[str, Any]) -> None:
     for p in res["scaling"]:
-        verdict = (f"  [goal >= 0.8x: {'met' if p['ratio'] >= 0.8 else 'NOT met'}]"
-                   if p is res["throughput"] else "")
+        verdict = ""
+        if p is res["throughput"] and p["rounds"] < STEADY_ROUNDS:
+            verdict = (f"  [{p['rounds']} rounds sample the rate; the goal (>= 0.8x) is for the "
+                       f"steady state: --throughput-only --rounds 300]")
+        elif p is res["throughput"]:
+            verdict = f"  [goal >= 0.8x: {'met' if p['ratio'] >= 0.8 else 'NOT met'}]"
         print(f"{p['concurrent']} concurrent ({p['rounds']} rounds): {p['handoffs_per_s']:.0f} "
               f"handoffs/s vs raw transport {p['raw_transport_requests_per_s']:.0f} "
               f"requests/s = {p['ratio']:.2f}x{verdict}")
@@ -624,8 +631,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     lat, big = res["latency"], res["big"]
     print(f"tiny handoff ({lat['bytes']} B): p50 {lat['handoff']['p50_ms']:.3f} ms, "
-          f"p99 {lat['handoff']['p99_ms']:.3f} ms  [goal p50 <= 1 ms: "
-          f"{'met' if lat['handoff']['p50_ms'] <= 1.0 else 'NOT met'}]")
+          f"p99 {lat['handoff']['p99_ms']:.3f} ms  [goal p50 <= {P50_GOAL_MS} ms: "
+          f"{'met' if lat['handoff']['p50_ms'] <= P50_GOAL_MS else 'NOT met'}]")
     print(f"tiny session overhead (handoff p50 - raw transport write p50, same run): "
           f"{lat['session_overhead_p50_ms']:.3f} ms; raw transport write p50 "
           f"{lat['raw_transport_write']['p50_ms']:.3f} ms")
