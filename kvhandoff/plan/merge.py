@@ -60,7 +60,7 @@ def merge(plans: Sequence[Plan]) -> Plan:
 
 
 def _by_parts(plans: Sequence[Plan], joined: dict[tuple[int, ...], IndexArray]
-           ) -> tuple[Part, ...] | None:
+              ) -> tuple[Part, ...] | None:
     """The planner's own plans, made of the same unit tables (one layout pair, the
     same components moving: a burst of like requests): each table's writers become one
     entry each, over the plans' units joined group by group, no field compared (a
