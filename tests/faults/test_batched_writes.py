@@ -12,7 +12,7 @@ import numpy as np
 
 from kvhandoff.plan.execute import HostMemory
 from kvhandoff.plan.model import Plan
-from kvhandoff.protocol import Message, TransferInit, TransferInits, decode_notice
+from kvhandoff.protocol import Abort, Message, TransferInit, TransferInits, decode_notice
 from kvhandoff.session import Status
 from kvhandoff.session.bootstrap import BootstrapServer
 from kvhandoff.session.control import Origin
@@ -102,10 +102,12 @@ def test_a_decode_step_sends_its_indices_in_one_message_and_each_lands(
         bootstrap: BootstrapServer, instance: str) -> None:
     """Receivers opened inside decode's ``batched_writes`` post nothing until it exits,
     then one TransferInits per prefill rank; prefill handles each init as if alone, so
-    an Abort held after one still follows it, and every other request lands exactly."""
+    an Abort held after one still follows it, and every other request lands exactly.
+    (The Senders start once prefill has handled that Abort: one started before it
+    could finish its write first, and rightly succeed, on a busy machine.)"""
     rig = Rig(bootstrap.url, instance)
     heard: list[object] = []
-    packed = threading.Event()
+    packed, aborted = threading.Event(), threading.Event()
     desk = rig.prefill._desk
     assert desk is not None
     take = desk.on_message
@@ -116,7 +118,10 @@ def test_a_decode_step_sends_its_indices_in_one_message_and_each_lands(
             packed.set()
         elif isinstance(msg, TransferInit):
             heard.append(msg.request_id)
-        return take(origin, msg)
+        handled = take(origin, msg)
+        if isinstance(msg, Abort) and msg.request_id == 3:
+            aborted.set()
+        return handled
 
     desk.on_message = spy  # type: ignore[method-assign]
     try:
@@ -126,7 +131,7 @@ def test_a_decode_step_sends_its_indices_in_one_message_and_each_lands(
             recvs = [rig.receiver(rp) for rp in plans]
             recvs[2].abort("the engine dropped it")
             assert heard == [99]  # held until the block exits
-        assert packed.wait(10)
+        assert packed.wait(10) and aborted.wait(10)
         assert heard == [99, (1, 2, 3, 4)]
         sends = [rig.sender(rp) for rp in plans]
         for i, (s, chunks, state) in enumerate(sends):
