@@ -112,10 +112,10 @@ def test_merge_falls_back_to_grouping_when_plans_are_not_alike_entry_by_entry() 
 HYBRID = shapes.tiny(shapes.get("qwen3_next"))
 
 
-def hybrid_plans(n: int, *, state_from: int = 0) -> list[Plan]:
+def hybrid_plans(n: int, *, state_from: int = 0, no_kv: tuple[int, ...] = ()) -> list[Plan]:
     """The planner's plans of ``n`` like requests of a hybrid model (KV pages, a Mamba
     slot, an aux row), each in its own pages and slot; those before ``state_from`` move
-    no state."""
+    no state, those in ``no_kv`` no KV page (empty lists)."""
     lay = shapes.layout_for(HYBRID, tp_rank=0, tp_size=1, page_size=4, num_pages=64,
                             num_slots=16, alloc=lambda n: 1 << 20)
     out = []
@@ -123,6 +123,8 @@ def hybrid_plans(n: int, *, state_from: int = 0) -> list[Plan]:
         req = shapes.request_for(HYBRID, lay, lay, 6, contiguous=True, src_slot=i + 1,
                                  dst_slot=n - i)
         req["kv"] = type(req["kv"])(req["kv"].src + 2 * i, req["kv"].dst + 4 * i)
+        if i in no_kv:  # the component is named but moves nothing
+            req["kv"] = type(req["kv"])(np.zeros(0, np.int64), np.zeros(0, np.int64))
         if i < state_from:
             req = {k: (None if k not in ("kv", "aux") else v) for k, v in req.items()}
         out.append(plan(lay, lay, req))
@@ -149,6 +151,21 @@ def test_merge_of_the_planners_like_plans_joins_their_parts() -> None:
     for e in m.entries:
         by_comp.setdefault(e.component, set()).add(id(e.src_idx))
     assert len(by_comp) > 2 and all(len(ids) == 1 for ids in by_comp.values())
+
+
+def test_merge_by_parts_joins_plans_whose_component_moves_nothing_in_some() -> None:
+    """A group empty in one plan and not in another: the same tables, so the parts are
+    joined, and the empty group adds nothing; the general grouping agrees."""
+    plans = hybrid_plans(4, no_kv=(0, 2))
+    assert not any(e.component == "kv" for e in plans[0].entries)
+    parts = merge_module._by_parts(plans, {})
+    assert parts is not None
+    general = merge_module._grouped(plans, {})
+    assert sorted(entries_of(Plan(entries=tuple(part_entries(parts))))) == sorted(
+        entries_of(Plan(entries=tuple(general))))
+    m = merge(plans)
+    assert moved(m) == sorted(x for p in plans for x in moved(p))
+    assert m.nbytes == sum(p.nbytes for p in plans) == sum(e.nbytes for e in m.entries)
 
 
 def test_merge_takes_the_parts_only_when_every_plan_has_the_same_tables() -> None:
