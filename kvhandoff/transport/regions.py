@@ -31,8 +31,6 @@ U8 = npt.NDArray[np.uint8]
 I64 = npt.NDArray[np.int64]
 
 
-
-
 class Span(NamedTuple):
     """A half-open byte interval ``[lo, hi)``; ``hi == lo`` touches nothing."""
 
