@@ -28,11 +28,11 @@ from typing import Any
 
 import numpy as np
 
-from kvhandoff import shapes
+from kvhandoff.lab import shapes
+from kvhandoff.lab.shapes import LayerKind, ModelShape
 from kvhandoff.layout import Layout
 from kvhandoff.plan import Plan, plan
 from kvhandoff.plan.compat import pair_layouts
-from kvhandoff.shapes import LayerKind, ModelShape
 
 MODELS = ("qwen3_next", "deepseek_v4", "gpt_oss")
 TOKENS = (4096, 32768)

@@ -214,7 +214,7 @@ class PlannedIndicesMsg(_Record, frozen=True):
     sides' packed items and the row fields of :class:`~kvhandoff.plan.request.Indices`.
 
     Sent back with checksums so decode can rebuild the same plan and read the destination
-    bytes in the same order (:mod:`kvhandoff.session.checksum`)."""
+    bytes in the same order (:mod:`kvhandoff.session.request.checksum`)."""
 
     src: bytes
     dst: bytes
@@ -393,7 +393,7 @@ class HelloAck(_Msg, frozen=True):
     """prefill → decode: the pair is compatible and planned.
 
     ``writes``: whether this prefill rank writes any byte into the decode rank (the
-    planner decides; see :mod:`kvhandoff.session.ranks`). Decode sends
+    planner decides; see :mod:`kvhandoff.session.peers.mapping`). Decode sends
     :class:`TransferInit` to, and waits for :class:`TransferStatus` from, every
     handshaken candidate: a non-writer validates the request and reports success without
     writing, so every prefill rank of the request learns its outcome."""
@@ -533,7 +533,7 @@ class StatusNotice(_Record, frozen=True, omit_defaults=True):
 
     ``more``: the statuses of the other chunks whose writes rode in the same submit
     (prefill batches the writes of requests that are ready together; see
-    :mod:`kvhandoff.session.write_batch`). Omitted when empty, so a notice of one status
+    :mod:`kvhandoff.session.control.write_batch`). Omitted when empty, so a notice of one status
     is the same bytes as before batching existed."""
 
     to: str

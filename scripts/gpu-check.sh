@@ -20,7 +20,7 @@ fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device visible to torch'; \
 print('torch', torch.__version__, 'on', torch.cuda.get_device_name())" || exit 1
-"$PY" -c "from kvhandoff.cli import main; main(['transports'])" || true
+"$PY" -c "from kvhandoff.lab.cli import main; main(['transports'])" || true
 # One process per file: on the H100, torch's CUDA copies failed in a process where a
 # NIXL agent had loaded UCX's CUDA modules with CUDA 12's runtime beside torch's CUDA 13.
 rc=0

@@ -12,7 +12,7 @@
 #     driver is installed does this script install Debian's libcuda1, which is in non-free
 #     and depends on nvidia-support (contrib), so then both components are enabled.
 #     libcudart.so.12 comes from the nvidia-cuda-runtime-cu12 wheel and is preloaded by
-#     kvhandoff.transport.mooncake, so no LD_LIBRARY_PATH is needed.
+#     kvhandoff.transport.engines.mooncake, so no LD_LIBRARY_PATH is needed.
 #   Apt sources are only ever changed on that last path.
 # NIXL (nixl-cu12): self-contained (bundled UCX); nothing from apt.
 #

@@ -1,6 +1,7 @@
 """When one request reached each point of its handoff on one rank.
 
-A :class:`~kvhandoff.session.sender.Sender` or :class:`~kvhandoff.session.receiver.Receiver`
+A :class:`~kvhandoff.session.request.sender.Sender` or
+:class:`~kvhandoff.session.request.receiver.Receiver`
 stamps named events as they happen, on whichever thread sees them; the first stamp of an
 event wins, so a retried or repeated step does not move it. Readers take the seconds
 between two events (:meth:`Timeline.span`), which is how a host measures a phase

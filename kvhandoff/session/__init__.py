@@ -7,16 +7,16 @@ machine (:class:`Status`) that fails with a typed :class:`SessionError` naming w
 The package exports what an engine calls: the agent, the two request sides, their
 config, statuses and errors, and :func:`route_dp`. Everything else is imported from its
 module. Pure pieces (no sockets, threads only for waiting):
-:mod:`~kvhandoff.session.status` (the status table and machine),
-:mod:`~kvhandoff.session.send_core` / :mod:`~kvhandoff.session.recv_core` (the request
-logic as event-in, effects-out cores), :mod:`~kvhandoff.session.ranks` (which prefill
-ranks feed which decode ranks, from the planner), :mod:`~kvhandoff.session.compat` (the
-handshake's compatibility report), :mod:`~kvhandoff.session.chunks` (KV chunk slicing),
-:mod:`~kvhandoff.session.aux` (aux rows and their arrival guard). Wire messages live in
+:mod:`~kvhandoff.session.request.status` (the status table and machine),
+:mod:`~kvhandoff.session.request.send_core` / :mod:`~kvhandoff.session.request.recv_core` (the
+request
+logic as event-in, effects-out cores), :mod:`~kvhandoff.session.peers.mapping` (which prefill
+ranks feed which decode ranks, from the planner), :mod:`~kvhandoff.session.peers.compat` (the
+handshake's compatibility report), :mod:`~kvhandoff.session.request.chunks` (KV chunk slicing),
+:mod:`~kvhandoff.session.request.aux` (aux rows and their arrival guard). Wire messages live in
 :mod:`kvhandoff.protocol`.
 """
 
-from kvhandoff.session.agent import Agent, Role
 from kvhandoff.session.config import SessionConfig
 from kvhandoff.session.errors import (
     AgentClosed,
@@ -31,9 +31,10 @@ from kvhandoff.session.errors import (
     SessionError,
     TransferFailed,
 )
-from kvhandoff.session.receiver import Receiver, route_dp
-from kvhandoff.session.sender import Sender
-from kvhandoff.session.status import Status
+from kvhandoff.session.rank.agent import Agent, Role
+from kvhandoff.session.request.receiver import Receiver, route_dp
+from kvhandoff.session.request.sender import Sender
+from kvhandoff.session.request.status import Status
 
 __all__ = [
     "Agent",

@@ -4,7 +4,7 @@ Every knob has a default that works on one host; each can be overridden by an
 environment variable ``KVHANDOFF_<FIELD NAME IN CAPITALS>`` (e.g.
 ``KVHANDOFF_TRANSFER_TIMEOUT=120``) through :meth:`SessionConfig.from_env`, and by
 keyword arguments, which win over the environment. Nothing else in the session layer
-reads the environment; an :class:`~kvhandoff.session.agent.Agent` built without a config
+reads the environment; an :class:`~kvhandoff.session.rank.agent.Agent` built without a config
 uses ``SessionConfig.from_env()``. A command line adds the timeouts as flags
 (``--bootstrap-timeout`` …) with :func:`add_timeout_arguments` and turns what was given
 into keyword overrides with :func:`timeout_overrides` (flag > environment > default).
@@ -31,7 +31,7 @@ served, though they are still collected for a host to merge); ``trace``
 (``KVHANDOFF_TRACE``) appends one JSON line per finished request to that file.
 
 Security: ``secret_file`` (``KVHANDOFF_SECRET_FILE``) names the deployment secret
-(:mod:`kvhandoff.session.secret`); a prefill rank then signs its bootstrap registration
+(:mod:`kvhandoff.secret`); a prefill rank then signs its bootstrap registration
 with it. The file is read when it is used, not here.
 """
 
@@ -91,7 +91,7 @@ class SessionConfig:
     metrics: bool = True  # count this agent's requests in the process's metrics
     metrics_port: int = -1  # serve this process's Prometheus metrics here (0: any; -1: off)
     trace: str = ""  # append a JSON line per finished request to this file ("": off)
-    secret_file: str = ""  # the deployment secret (kvhandoff.session.secret; "": none)
+    secret_file: str = ""  # the deployment secret (kvhandoff.secret; "": none)
 
     def __post_init__(self) -> None:
         problems = []

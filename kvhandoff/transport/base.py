@@ -61,7 +61,8 @@ Adding a transport: subclass :class:`Transport` in ``kvhandoff/transport/<name>.
 ``name`` and ``capabilities``, override :meth:`Transport.usable` to say why it cannot run
 here (without raising, without side effects), take options as keyword-only ``__init__``
 arguments, and list it in ``kvhandoff/transport/registry.py`` (already listed:
-``kvhandoff.transport.mooncake:MooncakeTransport``, ``kvhandoff.transport.nixl:NixlTransport``).
+``kvhandoff.transport.engines.mooncake:MooncakeTransport``,
+``kvhandoff.transport.engines.nixl:NixlTransport``).
 The conformance suite builds every available transport with ``create_transport(name)``
 (plus short ``io_timeout``/``connect_timeout`` options listed in
 ``tests/conformance/kvh_conformance.py``), in the test process and in ``multiprocessing``

@@ -18,10 +18,10 @@ from kvhandoff.transport.errors import TransportUnavailable
 _lock = threading.Lock()
 _TARGETS: dict[str, str] = {
     "memory": "kvhandoff.transport.memory:MemoryTransport",
-    "tcp": "kvhandoff.transport.tcp:TcpTransport",
-    "shm": "kvhandoff.transport.shm:ShmTransport",
-    "mooncake": "kvhandoff.transport.mooncake:MooncakeTransport",
-    "nixl": "kvhandoff.transport.nixl:NixlTransport",
+    "tcp": "kvhandoff.transport.tcp.transport:TcpTransport",
+    "shm": "kvhandoff.transport.shm.transport:ShmTransport",
+    "mooncake": "kvhandoff.transport.engines.mooncake:MooncakeTransport",
+    "nixl": "kvhandoff.transport.engines.nixl:NixlTransport",
 }
 
 DEFAULT = "tcp"

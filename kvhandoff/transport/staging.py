@@ -18,7 +18,7 @@ bytes are in place, refused writes write nothing):
     handle DONE after the last frame's REPLY
 
 * **Authentication.** The control connection opens with the mutual challenge–response
-  of :mod:`~kvhandoff.transport.handshake_auth`, keyed with the staging option's token
+  of :mod:`~kvhandoff.transport.framing.handshake`, keyed with the staging option's token
   (or HMAC(``data_secret``, token) with the deployment secret's data-plane key); the
   token never travels on the socket, the server reads no frame and leases nothing before
   the sender proved the key, and the sender commits nothing to a server that did not
@@ -42,7 +42,7 @@ bytes are in place, refused writes write nothing):
   CHECK (like tcp's); the receiver refuses it, and every COMMIT of that plan, before
   scattering anything. Each COMMIT is bounds-checked again before its scatter. The
   adapters also refuse destinations outside the peer's advertised table at submit.
-* **Frames** are :func:`kvhandoff.transport.tcp_plan.split` frames (factored chunks of
+* **Frames** are :func:`kvhandoff.transport.framing.cut.split` frames (factored chunks of
   at most ``slot_bytes``); their destination records travel in the COMMIT, so gather
   and scatter are one numpy call per chunk, never a Python call per page or row.
 * **Bounded.** Every wait (a free slot, an engine write, a reply) is bounded by
@@ -53,7 +53,7 @@ bytes are in place, refused writes write nothing):
   direct.
 
 The control protocol reuses the tcp transport's frame header and record tables
-(:mod:`kvhandoff.transport.tcp_wire`), after the handshake: HELLO (empty) → REPLY OK
+(:mod:`kvhandoff.transport.framing.wire`), after the handshake: HELLO (empty) → REPLY OK
 carrying the leased slots as JSON; WRITE(desc = ``<q job, q slot>`` + records), with
 ``FLAG_CHECK`` for a whole-plan check (slot -1) → REPLY; BYE (nothing else in the frame,
 no reply), then the sender closes.
@@ -82,13 +82,6 @@ import numpy as np
 from kvhandoff.layout import MemoryKind, Region
 from kvhandoff.memory import piece_view
 from kvhandoff.plan.model import Plan
-from kvhandoff.transport._served import (
-    MAX_PER_HOST,
-    ThreadedServer,
-    WorkerPeer,
-    prove,
-    shut,
-)
 from kvhandoff.transport.base import Handle, Peer, TransferState
 from kvhandoff.transport.errors import (
     ConnectError,
@@ -97,11 +90,17 @@ from kvhandoff.transport.errors import (
     TransportClosed,
     TransportError,
 )
-from kvhandoff.transport.handshake_auth import derive_key, new_endpoint_id
-from kvhandoff.transport.regions import U8, RegionTable, plan_side_problem
-from kvhandoff.transport.tcp_io import recv_exact, recv_header
-from kvhandoff.transport.tcp_plan import Chunk, dst_records, plan_records, split
-from kvhandoff.transport.tcp_wire import (
+from kvhandoff.transport.framing.cut import Chunk, dst_records, plan_records, split
+from kvhandoff.transport.framing.handshake import derive_key, new_endpoint_id
+from kvhandoff.transport.framing.io import recv_exact, recv_header
+from kvhandoff.transport.framing.served import (
+    MAX_PER_HOST,
+    ThreadedServer,
+    WorkerPeer,
+    prove,
+    shut,
+)
+from kvhandoff.transport.framing.wire import (
     FLAG_CHECK,
     HEADER,
     Header,
@@ -110,6 +109,7 @@ from kvhandoff.transport.tcp_wire import (
     Status,
     reply_error,
 )
+from kvhandoff.transport.regions import U8, RegionTable, plan_side_problem
 from kvhandoff.transport.views import as_rows, take_into, unit_contiguous
 
 log = logging.getLogger("kvhandoff.transport")

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvhandoff.lab.testing.transport import PlanBuilder, bump, noise, serve_peer
 from kvhandoff.transport import (
     Peer,
     TransferState,
@@ -22,7 +23,6 @@ from kvhandoff.transport import (
     available_transports,
     create_transport,
 )
-from kvhandoff.transport.testing import PlanBuilder, bump, noise, serve_peer
 
 # Short timeouts so fault tests finish quickly; engines not listed use their defaults.
 _SHORT = {"io_timeout": 3.0, "connect_timeout": 3.0}

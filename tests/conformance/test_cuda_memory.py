@@ -22,11 +22,11 @@ import numpy as np
 import pytest
 from kvh_conformance import OPTIONS, serve_cuda_peer
 
+from kvhandoff.lab.testing.transport import PlanBuilder, bump, noise
 from kvhandoff.layout import MemoryKind, Region
 from kvhandoff.plan.model import Plan
 from kvhandoff.transport import TransferState, Transport, create_transport
 from kvhandoff.transport.registry import transport_class
-from kvhandoff.transport.testing import PlanBuilder, bump, noise
 
 torch = pytest.importorskip("torch")
 

@@ -127,7 +127,7 @@ def test_segments_never_straddle_adjacent_regions(engine: str) -> None:
 @pytest.mark.parametrize("engine", ENGINES)
 def test_unavailable_reason_says_how_to_install(engine: str, monkeypatch: pytest.MonkeyPatch
                                                ) -> None:
-    mod = importlib.import_module(f"kvhandoff.transport.{engine}")
+    mod = importlib.import_module(f"kvhandoff.transport.engines.{engine}")
     monkeypatch.setattr(importlib.util, "find_spec", lambda *a, **k: None)
     ok, reason = mod._probe()
     assert not ok

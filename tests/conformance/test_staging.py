@@ -33,6 +33,7 @@ import numpy as np
 import pytest
 from kvh_conformance import Pair, RemotePeer, deliver, fd_count, make, settle, thread_count
 
+from kvhandoff.lab.testing.transport import KINDS, PlanBuilder
 from kvhandoff.layout import Region
 from kvhandoff.plan.model import Plan, TensorPlan
 from kvhandoff.transport import (
@@ -42,9 +43,11 @@ from kvhandoff.transport import (
     TransferState,
     available_transports,
 )
-from kvhandoff.transport._engine import EnginePeer
-from kvhandoff.transport._served import prove
 from kvhandoff.transport.base import Handle, Peer
+from kvhandoff.transport.engines.common import EnginePeer
+from kvhandoff.transport.framing.cut import dst_records, split
+from kvhandoff.transport.framing.served import prove
+from kvhandoff.transport.framing.wire import FLAG_CHECK, HEADER, Header, Kind, Records, Status
 from kvhandoff.transport.regions import RegionTable
 from kvhandoff.transport.staging import (
     Arena,
@@ -54,10 +57,7 @@ from kvhandoff.transport.staging import (
     gather,
     scatter,
 )
-from kvhandoff.transport.tcp import TcpTransport
-from kvhandoff.transport.tcp_plan import dst_records, split
-from kvhandoff.transport.tcp_wire import FLAG_CHECK, HEADER, Header, Kind, Records, Status
-from kvhandoff.transport.testing import KINDS, PlanBuilder
+from kvhandoff.transport.tcp.transport import TcpTransport
 
 ENGINES = ("mooncake", "nixl")
 _AVAIL = available_transports()
@@ -390,8 +390,8 @@ def test_a_clean_close_says_bye_and_frees_the_slots_at_once(engine: str, how: st
 
 _CHILD = """
 import json, socket, sys, time
-from kvhandoff.transport._served import prove
-from kvhandoff.transport.tcp_wire import HEADER, Header, Kind
+from kvhandoff.transport.framing.served import prove
+from kvhandoff.transport.framing.wire import HEADER, Header, Kind
 info = json.loads(sys.argv[1])
 s = socket.create_connection((info["host"], info["port"]), timeout=5)
 prove(s, key=info["token"].encode(), endpoint_id=info["id"], timeout=5, peer="test")

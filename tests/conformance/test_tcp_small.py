@@ -13,17 +13,17 @@ import numpy as np
 import pytest
 from kvh_conformance import RemotePeer, make
 
+from kvhandoff.lab.testing.transport import PlanBuilder
 from kvhandoff.plan.model import Plan
 from kvhandoff.transport import TransferState
+from kvhandoff.transport.framing.cut import dst_records, split
+from kvhandoff.transport.framing.io import write_some
+from kvhandoff.transport.framing.wire import Records
 from kvhandoff.transport.regions import RegionTable
 from kvhandoff.transport.small import MAX_SEGMENTS, copy_views, plan_views
-from kvhandoff.transport.tcp_client import TcpPeer
-from kvhandoff.transport.tcp_data import Sink
-from kvhandoff.transport.tcp_io import write_some
-from kvhandoff.transport.tcp_plan import dst_records, split
-from kvhandoff.transport.tcp_small import build, dst_views
-from kvhandoff.transport.tcp_wire import Records
-from kvhandoff.transport.testing import PlanBuilder
+from kvhandoff.transport.tcp.client import TcpPeer
+from kvhandoff.transport.tcp.data import Sink
+from kvhandoff.transport.tcp.small import build, dst_views
 
 SMALL_KINDS = ("tiny_handoff", "tiny_head_sliced", "mamba_groups", "zero_units")
 TIMEOUT = 30.0

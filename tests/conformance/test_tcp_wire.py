@@ -10,23 +10,21 @@ import numpy as np
 import pytest
 from kvh_conformance import Pair, settle, thread_count
 
+from kvhandoff.lab.testing.transport import KINDS, PlanBuilder
 from kvhandoff.layout import Region
 from kvhandoff.memory import raw_view
 from kvhandoff.plan.execute import HostMemory, execute
 from kvhandoff.plan.model import Plan, TensorPlan
 from kvhandoff.transport import ProtocolError, TransferState
-from kvhandoff.transport._served import prove
-from kvhandoff.transport.handshake_auth import (
+from kvhandoff.transport.framing.cut import split
+from kvhandoff.transport.framing.handshake import (
     CLIENT_FRAME,
     SERVER_FRAME,
     ClientHandshake,
     HandshakeFailed,
 )
-from kvhandoff.transport.regions import RegionTable
-from kvhandoff.transport.tcp import TcpTransport
-from kvhandoff.transport.tcp_data import Sink
-from kvhandoff.transport.tcp_plan import split
-from kvhandoff.transport.tcp_wire import (
+from kvhandoff.transport.framing.served import prove
+from kvhandoff.transport.framing.wire import (
     FLAG_CHECK,
     FLAG_NOTICE,
     HEADER,
@@ -35,7 +33,9 @@ from kvhandoff.transport.tcp_wire import (
     Records,
     join_notice,
 )
-from kvhandoff.transport.testing import KINDS, PlanBuilder
+from kvhandoff.transport.regions import RegionTable
+from kvhandoff.transport.tcp.data import Sink
+from kvhandoff.transport.tcp.transport import TcpTransport
 
 TIMEOUT = 30.0
 

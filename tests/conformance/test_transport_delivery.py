@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from kvh_conformance import Pair, deliver, make
 
+from kvhandoff.lab.testing.transport import KINDS
 from kvhandoff.layout import Component, Layout, RowKind, ShardSpec, TensorSpec
 from kvhandoff.plan import Indices, execute, plan
 from kvhandoff.plan.execute import HostMemory
 from kvhandoff.state_types import StateType
 from kvhandoff.transport import TransferState
-from kvhandoff.transport.testing import KINDS
 
 TIMEOUT = 60.0
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from kvh_conformance import Pair, fd_count, make, settle, thread_count
 
+from kvhandoff.lab.testing.transport import noise
 from kvhandoff.layout import Region, TensorSpec
 from kvhandoff.transport import (
     Handle,
@@ -19,7 +20,6 @@ from kvhandoff.transport import (
     available_transports,
     create_transport,
 )
-from kvhandoff.transport.testing import noise
 
 TIMEOUT = 30.0
 

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from kvh_conformance import Pair, make
 
+from kvhandoff.lab.testing.transport import PlanBuilder
 from kvhandoff.transport import RemoteOutOfBounds, TransferState, Transport
 from kvhandoff.transport.base import MAX_NOTICE
-from kvhandoff.transport.testing import PlanBuilder
 
 TIMEOUT = 60.0
 

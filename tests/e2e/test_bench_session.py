@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvhandoff.bench import session
+from kvhandoff.lab.bench import session
 
 
 def test_throughput_only_runs_every_concurrency_and_writes_its_json(tmp_path: Path) -> None:

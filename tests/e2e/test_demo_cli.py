@@ -10,8 +10,8 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from kvhandoff import cli
-from kvhandoff.demo_worker import pool_leaks
+from kvhandoff.lab import cli
+from kvhandoff.lab.demo_worker import pool_leaks
 
 SMALL = ["demo", "--model", "qwen3_next", "--prefill-tp", "2", "--decode-tp", "1",
          "--requests", "2", "--max-new-tokens", "4", "--chunk", "8"]
@@ -48,7 +48,7 @@ def test_demo_hands_off_a_local_all_sliding_window_checkpoint(
         capsys: pytest.CaptureFixture[str], tmp_path: object) -> None:
     """A checkpoint directory whose attention is all sliding-window (Mistral-7B-v0.1's
     config), as a user passes it: no KV component, the window pages move instead."""
-    from kvhandoff.engine import load_model
+    from kvhandoff.lab.engine import load_model
 
     load_model("mistral", seed=5).save_pretrained(f"{tmp_path}/ckpt")
     args = ["demo", "--model", f"{tmp_path}/ckpt", "--prefill-tp", "1", "--decode-tp", "2",
@@ -78,8 +78,8 @@ def test_demo_hands_off_a_local_checkpoint_of_the_new_layer_kinds(
         tmp_path: object) -> None:
     """One family per layer kind the sweep added, as a user passes it (a checkpoint
     directory), over the session layer and tcp, at decode TP 2."""
-    from kvhandoff.engine import load_model
-    from kvhandoff.engine.tiny import tiny_config
+    from kvhandoff.lab.engine import load_model
+    from kvhandoff.lab.engine.tiny import tiny_config
 
     load_model(tiny_config(family), seed=5).save_pretrained(f"{tmp_path}/ckpt")
     args = ["demo", "--model", f"{tmp_path}/ckpt", "--prefill-tp", "1", "--decode-tp", "2",
@@ -100,10 +100,10 @@ def test_demo_fails_on_a_corrupted_byte(capsys: pytest.CaptureFixture[str]) -> N
 def test_worker_leak_check_names_the_pools() -> None:
     """What each worker answers after the run: a request admitted on decode but never
     finished still holds its pages and slot, and they are named; freed, nothing is."""
-    from kvhandoff.engine import LocalTransfer
-    from kvhandoff.engine.decode import DecodeInstance
-    from kvhandoff.engine.pools import PoolConfig
-    from kvhandoff.engine.run import prepare
+    from kvhandoff.lab.engine import LocalTransfer
+    from kvhandoff.lab.engine.decode import DecodeInstance
+    from kvhandoff.lab.engine.pools import PoolConfig
+    from kvhandoff.lab.engine.run import prepare
 
     prep = prepare("llama")
     inst = DecodeInstance(prep.model, prep.arch, tp=1,

@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from kvhandoff.engine import run_disaggregated, sample_prompts  # noqa: E402
+from kvhandoff.lab.engine import run_disaggregated, sample_prompts  # noqa: E402
 
 torch.set_num_threads(1)
 

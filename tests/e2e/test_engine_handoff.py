@@ -17,7 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from kvhandoff.engine import CORE, run_disaggregated, sample_prompts  # noqa: E402
+from kvhandoff.lab.engine import CORE, run_disaggregated, sample_prompts  # noqa: E402
 
 torch.set_num_threads(1)  # tiny models: threads only add contention on small CI boxes
 
@@ -104,7 +104,7 @@ def test_bf16_model_with_fp32_ssm_state() -> None:
 def test_snapshot_digests_compare_caches_across_processes() -> None:
     """What a multi-process demo exchanges instead of the bytes: equal digests for the
     prefill and decode caches of a good handoff."""
-    from kvhandoff.engine.run import snapshot_digest
+    from kvhandoff.lab.engine.run import snapshot_digest
 
     rows = np.arange(12, dtype=np.uint8).reshape(3, 4)
     a = {("kv", "k", 0): (np.arange(3), rows)}

@@ -15,16 +15,16 @@ pytest.importorskip("transformers")
 
 from transformers import AutoConfig  # noqa: E402
 
-from kvhandoff.engine import (  # noqa: E402
+from kvhandoff.errors import LayoutError  # noqa: E402
+from kvhandoff.lab.engine import (  # noqa: E402
     ARCHITECTURES,
     load_model,
     run_disaggregated,
     sample_prompts,
 )
-from kvhandoff.engine.arch import cache_keyword, describe  # noqa: E402
-from kvhandoff.engine.tiny import tiny_config  # noqa: E402
-from kvhandoff.errors import LayoutError  # noqa: E402
-from kvhandoff.shapes import ConvInput, LayerKind  # noqa: E402
+from kvhandoff.lab.engine.arch import cache_keyword, describe  # noqa: E402
+from kvhandoff.lab.engine.tiny import tiny_config  # noqa: E402
+from kvhandoff.lab.shapes import ConvInput, LayerKind  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -334,8 +334,8 @@ def test_conv_split_is_the_familys_own(family: str) -> None:
     from a rule that holds only when the blocks are equal. Checked per rank against the
     family's own sharding in vLLM's terms (each block of the mixer's sizes cut into TP
     contiguous slices on its own), then handed off token-exact."""
-    from kvhandoff.engine.sharding import axis_positions
-    from kvhandoff.shapes import layout_for
+    from kvhandoff.lab.engine.sharding import axis_positions
+    from kvhandoff.lab.shapes import layout_for
 
     cfg = tiny_config(family)
     for k, v in UNEQUAL[family].items():

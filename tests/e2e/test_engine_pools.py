@@ -12,15 +12,15 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from kvhandoff.engine import run_disaggregated, sample_prompts  # noqa: E402
-from kvhandoff.engine.alloc import AllocatorError, FreeList  # noqa: E402
-from kvhandoff.engine.pools import PoolConfig  # noqa: E402
-from kvhandoff.engine.prefill import PrefillInstance  # noqa: E402
-from kvhandoff.engine.prefix_cache import PrefixCache  # noqa: E402
-from kvhandoff.engine.run import prepare  # noqa: E402
-from kvhandoff.engine.sharding import join, split  # noqa: E402
-from kvhandoff.engine.tables import Tables  # noqa: E402
 from kvhandoff.indices import swa_window_pages, swa_window_start  # noqa: E402
+from kvhandoff.lab.engine import run_disaggregated, sample_prompts  # noqa: E402
+from kvhandoff.lab.engine.alloc import AllocatorError, FreeList  # noqa: E402
+from kvhandoff.lab.engine.pools import PoolConfig  # noqa: E402
+from kvhandoff.lab.engine.prefill import PrefillInstance  # noqa: E402
+from kvhandoff.lab.engine.prefix_cache import PrefixCache  # noqa: E402
+from kvhandoff.lab.engine.run import prepare  # noqa: E402
+from kvhandoff.lab.engine.sharding import join, split  # noqa: E402
+from kvhandoff.lab.engine.tables import Tables  # noqa: E402
 from kvhandoff.layout import ShardSpec  # noqa: E402
 
 torch.set_num_threads(1)
@@ -171,9 +171,9 @@ def test_prefill_ranks_hold_exactly_their_shard(tp: int) -> None:
 def test_local_transfer_refuses_incomplete_requests() -> None:
     """Prefill cannot start before every decode rank opened the request, and decode's
     wait fails while a prefill rank's last chunk is missing."""
-    from kvhandoff.engine import LocalTransfer
-    from kvhandoff.engine.transfer import Chunk, ItemList
     from kvhandoff.errors import PlanError
+    from kvhandoff.lab.engine import LocalTransfer
+    from kvhandoff.lab.engine.transfer import Chunk, ItemList
 
     prep = prepare("llama")
     pools = PoolConfig(page_size=4, num_pages=16, num_slots=4)

@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from kvhandoff.engine import CORE, run_disaggregated, sample_prompts  # noqa: E402
+from kvhandoff.lab.engine import CORE, run_disaggregated, sample_prompts  # noqa: E402
 
 torch.set_num_threads(1)
 

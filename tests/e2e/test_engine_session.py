@@ -17,7 +17,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from kvhandoff.engine import (  # noqa: E402
+from kvhandoff.bootstrap.server import BootstrapServer  # noqa: E402
+from kvhandoff.lab.engine import (  # noqa: E402
     CORE,
     Chunk,
     ItemList,
@@ -27,10 +28,9 @@ from kvhandoff.engine import (  # noqa: E402
     run_disaggregated,
     sample_prompts,
 )
-from kvhandoff.engine.pools import PoolConfig, RankPools, rank_layout  # noqa: E402
-from kvhandoff.engine.run import prepare  # noqa: E402
-from kvhandoff.engine.session_link import LinkError, SessionLink  # noqa: E402
-from kvhandoff.session.bootstrap import BootstrapServer  # noqa: E402
+from kvhandoff.lab.engine.pools import PoolConfig, RankPools, rank_layout  # noqa: E402
+from kvhandoff.lab.engine.run import prepare  # noqa: E402
+from kvhandoff.lab.engine.session_link import LinkError, SessionLink  # noqa: E402
 from kvhandoff.transport.registry import available_transports  # noqa: E402
 
 torch.set_num_threads(1)

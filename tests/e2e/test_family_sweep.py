@@ -18,10 +18,10 @@ from transformers.models.auto.modeling_auto import (  # noqa: E402
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
 )
 
-from kvhandoff import cli  # noqa: E402
-from kvhandoff.engine import sweep as sweep_module  # noqa: E402
-from kvhandoff.engine.sweep import Result, Row, families, sweep_family  # noqa: E402
-from kvhandoff.engine.sweep_report import (  # noqa: E402
+from kvhandoff.lab import cli  # noqa: E402
+from kvhandoff.lab.engine import sweep as sweep_module  # noqa: E402
+from kvhandoff.lab.engine.sweep import Result, Row, families, sweep_family  # noqa: E402
+from kvhandoff.lab.engine.sweep_report import (  # noqa: E402
     BEGIN,
     END,
     current_block,

@@ -15,9 +15,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvhandoff.session.bootstrap import BootstrapServer
-from kvhandoff.testing.handoff import RequestPlan, Scenario, Topology
-from kvhandoff.testing.sides import RunResult, WorkerPair, run_scenario
+from kvhandoff.bootstrap.server import BootstrapServer
+from kvhandoff.lab.testing.handoff import RequestPlan, Scenario, Topology
+from kvhandoff.lab.testing.sides import RunResult, WorkerPair, run_scenario
 
 _names = itertools.count()
 

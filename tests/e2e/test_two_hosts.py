@@ -12,8 +12,8 @@ import json
 
 import pytest
 
-from kvhandoff.testing import netns
-from kvhandoff.testing.handoff import RequestPlan, Scenario, Topology
+from kvhandoff.lab.testing import netns
+from kvhandoff.lab.testing.handoff import RequestPlan, Scenario, Topology
 
 OK, WHY = netns.available()
 pytestmark = pytest.mark.skipif(not OK, reason=WHY)

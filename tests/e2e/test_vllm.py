@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from kvhandoff.integrations.vllm_serve import (
+from kvhandoff.lab.vllm.serve import (
     ServerError,
     VllmServer,
     free_ports,
@@ -38,7 +38,7 @@ from kvhandoff.integrations.vllm_serve import (
     post_json,
     vllm_python,
 )
-from kvhandoff.integrations.vllm_tiny import SERVE_ARGS
+from kvhandoff.lab.vllm.tiny import SERVE_ARGS
 
 pytestmark = pytest.mark.vllm
 
@@ -80,10 +80,10 @@ def _model_and_bootstrap(kind: str, root: Path) -> tuple[Path, subprocess.Popen[
     (``host:port``); the caller kills the process."""
     py = _vllm_or_skip()
     model = root / "model"
-    subprocess.run([str(py), "-m", "kvhandoff.integrations.vllm_tiny", kind, str(model)],
+    subprocess.run([str(py), "-m", "kvhandoff.lab.vllm.tiny", kind, str(model)],
                    check=True, timeout=600, capture_output=True)
     (port,) = free_ports(1)
-    boot = subprocess.Popen([sys.executable, "-m", "kvhandoff.cli", "bootstrap", "--host",
+    boot = subprocess.Popen([sys.executable, "-m", "kvhandoff.lab.cli", "bootstrap", "--host",
                              "127.0.0.1", "--port", str(port)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     return model, boot, f"127.0.0.1:{port}"

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvhandoff.bootstrap.server import BootstrapServer
 from kvhandoff.integrations.vllm.host_staging import HostStaging, kv_memory, tensor_info
 from kvhandoff.integrations.vllm.layout import GroupInfo, MambaInfo, TensorInfo, build_layout
 from kvhandoff.integrations.vllm.requests import RecvReq, SendReq, StepMeta
@@ -26,11 +27,10 @@ from kvhandoff.integrations.vllm.worker import AuxRows, WorkerSide, block_bytes
 from kvhandoff.layout import Region
 from kvhandoff.plan import Plan
 from kvhandoff.protocol import decode_notice
-from kvhandoff.session.bootstrap import BootstrapServer
 from kvhandoff.session.config import SessionConfig
 from kvhandoff.transport.base import Handle, Peer, Transport
 from kvhandoff.transport.registry import transport_class
-from kvhandoff.transport.tcp import TcpTransport
+from kvhandoff.transport.tcp.transport import TcpTransport
 
 BLOCKS, BS, HEADS, C = 8, 32, 2, 128  # C: K|V of one token, bf16 elements
 PAGE = HEADS * BS * C * 2

@@ -1,8 +1,8 @@
-"""Batched writes (:mod:`kvhandoff.session.write_batch`) over real sockets: requests
+"""Batched writes (:mod:`kvhandoff.session.control.write_batch`) over real sockets: requests
 handed over together reach decode in one submit per chunk round, with one in-band
 notice carrying every status, every byte in place; a batch that fails fails exactly
 its requests, each saying it was batched. On decode, the requests one step opens send
-their indices as one message per prefill rank (:mod:`kvhandoff.session.post_batch`)."""
+their indices as one message per prefill rank (:mod:`kvhandoff.session.control.post_batch`)."""
 
 from __future__ import annotations
 
@@ -10,18 +10,18 @@ import threading
 
 import numpy as np
 
+from kvhandoff.bootstrap.server import BootstrapServer
+from kvhandoff.lab.testing.handoff import request_of
+from kvhandoff.lab.testing.oracle import expected_writes
+from kvhandoff.lab.testing.rig import Rig
 from kvhandoff.plan.execute import HostMemory
 from kvhandoff.plan.model import Plan
 from kvhandoff.protocol import Abort, Message, TransferInit, TransferInits, decode_notice
 from kvhandoff.session import Status
-from kvhandoff.session.bootstrap import BootstrapServer
-from kvhandoff.session.control import Origin
-from kvhandoff.testing.handoff import request_of
-from kvhandoff.testing.oracle import expected_writes
-from kvhandoff.testing.rig import Rig
+from kvhandoff.session.control.channel import Origin
 from kvhandoff.transport.base import Handle, Peer
 from kvhandoff.transport.errors import TransportClosed
-from kvhandoff.transport.tcp import TcpTransport
+from kvhandoff.transport.tcp.transport import TcpTransport
 
 
 class CountingTcp(TcpTransport):

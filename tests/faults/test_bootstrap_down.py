@@ -8,10 +8,10 @@ import time
 
 import pytest
 
+from kvhandoff.bootstrap.server import BootstrapServer
+from kvhandoff.lab.testing.handoff import DECODE, PREFILL, Arena, Topology, layout_of
+from kvhandoff.lab.testing.rig import Rig, config
 from kvhandoff.session import Agent, BootstrapFailed, Receiver, Status
-from kvhandoff.session.bootstrap import BootstrapServer
-from kvhandoff.testing.handoff import DECODE, PREFILL, Arena, Topology, layout_of
-from kvhandoff.testing.rig import Rig, config
 
 
 def _dead_url() -> str:

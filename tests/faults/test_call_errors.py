@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvhandoff.lab.testing.handoff import decode_lists, request_of
+from kvhandoff.lab.testing.rig import Rig
 from kvhandoff.session import Receiver, Sender, Status
-from kvhandoff.testing.handoff import decode_lists, request_of
-from kvhandoff.testing.rig import Rig
 
 
 def test_receiver_call_errors(rig: Rig) -> None:

@@ -6,12 +6,12 @@ import dataclasses
 
 import pytest
 
-from kvhandoff import shapes
+from kvhandoff.bootstrap.server import BootstrapServer
+from kvhandoff.lab import shapes
+from kvhandoff.lab.testing.handoff import DECODE, Arena, Topology, layout_of
+from kvhandoff.lab.testing.rig import Rig, config
 from kvhandoff.layout import Layout
 from kvhandoff.session import Agent, HandshakeError, Receiver, Status
-from kvhandoff.session.bootstrap import BootstrapServer
-from kvhandoff.testing.handoff import DECODE, Arena, Topology, layout_of
-from kvhandoff.testing.rig import Rig, config
 from kvhandoff.transport import create_transport
 
 

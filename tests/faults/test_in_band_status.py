@@ -1,4 +1,4 @@
-"""Statuses in band (:mod:`kvhandoff.session.notices`): on tcp a chunk's status rides
+"""Statuses in band (:mod:`kvhandoff.session.rank.notices`): on tcp a chunk's status rides
 with its writes; decode must accept them in any order, refuse impossible counts with a
 reason, and ignore notices that do not decode or name no agent."""
 
@@ -9,6 +9,10 @@ import logging
 import numpy as np
 import pytest
 
+from kvhandoff.bootstrap.server import BootstrapServer
+from kvhandoff.lab.testing.handoff import request_of
+from kvhandoff.lab.testing.oracle import expected_writes
+from kvhandoff.lab.testing.rig import Rig
 from kvhandoff.plan.execute import HostMemory
 from kvhandoff.plan.model import Plan
 from kvhandoff.protocol import (
@@ -20,12 +24,8 @@ from kvhandoff.protocol import (
     encode_notice,
 )
 from kvhandoff.session import Status
-from kvhandoff.session.bootstrap import BootstrapServer
-from kvhandoff.testing.handoff import request_of
-from kvhandoff.testing.oracle import expected_writes
-from kvhandoff.testing.rig import Rig
 from kvhandoff.transport.base import Handle, Peer
-from kvhandoff.transport.tcp import TcpTransport
+from kvhandoff.transport.tcp.transport import TcpTransport
 
 
 class ReorderingTcp(TcpTransport):
@@ -122,7 +122,7 @@ def test_junk_notices_are_dropped_and_logged(rig: Rig, caplog: pytest.LogCapture
         status=TransferStatus(request_id=1, rank=RankId(instance="x", dp_rank=0, tp_rank=0,
                                                         tp_size=1, pp_rank=0, pp_size=1),
                               chunk=0, last=True, outcome=Outcome.SUCCESS)))
-    with caplog.at_level(logging.WARNING, logger="kvhandoff.session.notices"):
+    with caplog.at_level(logging.WARNING, logger="kvhandoff.session.rank.notices"):
         for junk in (b"\x00garbage", stray):
             h = rig.prefill.transport.submit(peer, Plan(entries=()), notice=junk)
             assert h.wait(10).value == "done", h.error

@@ -8,11 +8,11 @@ import time
 
 import pytest
 
+from kvhandoff.bootstrap.server import BootstrapServer
+from kvhandoff.lab.testing.faulty import CorruptingTcp
+from kvhandoff.lab.testing.handoff import Topology
+from kvhandoff.lab.testing.rig import Rig
 from kvhandoff.session import AuxMismatch, ChecksumMismatch, Status
-from kvhandoff.session.bootstrap import BootstrapServer
-from kvhandoff.testing.faulty import CorruptingTcp
-from kvhandoff.testing.handoff import Topology
-from kvhandoff.testing.rig import Rig
 
 # (shape, topology overrides, tokens): small pages for most shapes; a DeepSeek-V4 page
 # holds whole C128 rows (128 tokens), and 300 tokens leave a pending C128 row to move

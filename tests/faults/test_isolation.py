@@ -1,7 +1,7 @@
 """Transfer failures to one decode peer that stays alive do not poison the others.
 
 One prefill agent serves two decode deployments (in process, :meth:`Rig.add_decode`);
-the prefill transport (:class:`~kvhandoff.testing.faulty.FailingTcp`) fails every write
+the prefill transport (:class:`~kvhandoff.lab.testing.faulty.FailingTcp`) fails every write
 to one of them. That decode's requests fail, naming the failed write; the other's all
 succeed byte-exact, nothing else in its memory changes; both sides end with no live
 request and the live decode is neither dropped nor left suspect. Once the fault is gone
@@ -15,12 +15,12 @@ import logging
 
 import pytest
 
+from kvhandoff.bootstrap.server import BootstrapServer
+from kvhandoff.lab.testing.faulty import FailingTcp
+from kvhandoff.lab.testing.hostile import eventually, memory_problems
+from kvhandoff.lab.testing.rig import Rig
 from kvhandoff.protocol import RequestId
 from kvhandoff.session import Receiver, Sender, Status
-from kvhandoff.session.bootstrap import BootstrapServer
-from kvhandoff.testing.faulty import FailingTcp
-from kvhandoff.testing.hostile import eventually, memory_problems
-from kvhandoff.testing.rig import Rig
 
 INJECTED = "injected write failure to"
 
@@ -78,7 +78,7 @@ def test_a_failing_live_decode_peer_does_not_poison_the_others(
         # test_recovery_when_indices_come_before_the_sender)
         t.fail_to.clear()
         again = rig.plan("bad-again", block=6, chunk_pages=1)
-        with caplog.at_level(logging.INFO, logger="kvhandoff.session.peers"):
+        with caplog.at_level(logging.INFO, logger="kvhandoff.session.peers.decode_ranks"):
             s, chunks, state = rig.sender(again)
             r = rig.receiver(again, on=bad)
             rig.send_all(s, chunks, state)
@@ -105,7 +105,7 @@ def test_recovery_when_indices_come_before_the_sender(
     arrive before prefill's Sender exists, which triggers a re-dial. The Sender, created
     after the re-dial or while it is still connecting, must write through the fresh
     peer."""
-    caplog.set_level(logging.INFO, logger="kvhandoff.session.peers")
+    caplog.set_level(logging.INFO, logger="kvhandoff.session.peers.decode_ranks")
     t = FailingTcp(close_peer=True)
     rig = Rig(bootstrap.url, instance, prefill_transport=t)
     try:

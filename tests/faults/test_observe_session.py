@@ -9,10 +9,10 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvhandoff.bootstrap.server import BootstrapServer
+from kvhandoff.lab.testing.rig import Rig
 from kvhandoff.observe import report, trace
 from kvhandoff.session import Status
-from kvhandoff.session.bootstrap import BootstrapServer
-from kvhandoff.testing.rig import Rig
 
 
 def scrape() -> dict[tuple[str, frozenset[tuple[str, str]]], float]:

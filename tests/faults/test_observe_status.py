@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 
+from kvhandoff.bootstrap.server import BootstrapServer
+from kvhandoff.lab.status import collect, main, render
+from kvhandoff.lab.testing.rig import Rig
 from kvhandoff.observe import report
-from kvhandoff.observe.status import collect, main, render
 from kvhandoff.session import Status
-from kvhandoff.session.bootstrap import BootstrapServer
-from kvhandoff.testing.rig import Rig
 
 
 def test_status_shows_instances_ranks_and_what_the_agents_did() -> None:

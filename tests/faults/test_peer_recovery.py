@@ -10,11 +10,11 @@ import time
 
 import zmq
 
+from kvhandoff.bootstrap.server import BootstrapServer
+from kvhandoff.lab.testing.rig import Rig
 from kvhandoff.protocol import RankId, TransferInit, encode_message
 from kvhandoff.session import PeerLost, Status
-from kvhandoff.session.bootstrap import BootstrapServer
-from kvhandoff.session.peers import DecodePeer
-from kvhandoff.testing.rig import Rig
+from kvhandoff.session.peers.decode_ranks import DecodePeer
 from kvhandoff.transport.errors import PeerLost as TransportPeerLost
 
 

@@ -10,7 +10,7 @@ pages not overwritten), every byte outside the failed requests' destinations unc
 no live request left on a surviving agent (nor, on prefill, a dead decode rank), and no
 leaked thread or descriptor. Each abort is
 checked to have found its request in the state it names (the harness holds the request
-there; see :mod:`kvhandoff.testing.sides`).
+there; see :mod:`kvhandoff.lab.testing.sides`).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
-from kvhandoff.session.bootstrap import BootstrapServer
-from kvhandoff.testing.handoff import RequestPlan, Scenario, Topology
-from kvhandoff.testing.sides import (
+from kvhandoff.bootstrap.server import BootstrapServer
+from kvhandoff.lab.testing.handoff import RequestPlan, Scenario, Topology
+from kvhandoff.lab.testing.sides import (
     Outcome,
     RunResult,
     SideReport,
@@ -111,7 +111,7 @@ TRANSPORTS = [pytest.param("tcp", id="tcp"), *_engine_params()]
 
 
 # The write delay that keeps prefill's writes in flight at an abort is a tcp wrapper
-# (kvhandoff.testing.faulty.DelayedTcp): the delayed stale-write checks run on tcp only.
+# (kvhandoff.lab.testing.faulty.DelayedTcp): the delayed stale-write checks run on tcp only.
 # The other transports run one abort state per side, transferring (the state with writes
 # under way; their marker check has no delay to widen the window), to bound the time.
 IN_FLIGHT = {"chunk_delay": 0.15, "prefill_write_delay": 0.3, "reuse_after_abort": True}

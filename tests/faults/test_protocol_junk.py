@@ -7,6 +7,7 @@ import msgspec
 import pytest
 import zmq
 
+from kvhandoff.lab.testing.rig import Rig
 from kvhandoff.protocol import (
     MAX_MESSAGE_BYTES,
     ErrorReply,
@@ -17,7 +18,6 @@ from kvhandoff.protocol import (
     decode_message,
     encode_message,
 )
-from kvhandoff.testing.rig import Rig
 
 JUNK = [
     pytest.param([b""], "malformed", id="empty"),

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from kvhandoff.bootstrap.client import InstanceInfo
+from kvhandoff.bootstrap.server import BootstrapServer
+from kvhandoff.lab.testing.handoff import PREFILL, Arena, Topology, layout_of
+from kvhandoff.lab.testing.rig import config
 from kvhandoff.session import Agent, BootstrapFailed
-from kvhandoff.session.bootstrap import BootstrapServer
-from kvhandoff.session.bootstrap_client import InstanceInfo
-from kvhandoff.testing.handoff import PREFILL, Arena, Topology, layout_of
-from kvhandoff.testing.rig import config
 
 TOPO = Topology(shape="qwen3_next", num_pages=16)
 

@@ -9,15 +9,15 @@ import logging
 
 import pytest
 
+from kvhandoff.bootstrap.server import BootstrapServer
+from kvhandoff.lab.testing.rig import Rig
 from kvhandoff.protocol import ErrorCode
 from kvhandoff.session import RequestRejected, Status
-from kvhandoff.session.bootstrap import BootstrapServer
-from kvhandoff.testing.rig import Rig
 
 
 def test_a_restarted_prefill_is_handshaken_again_transparently(
         bootstrap: BootstrapServer, instance: str, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="kvhandoff.session.receiver")
+    caplog.set_level(logging.INFO, logger="kvhandoff.session.request.receiver")
     rig = Rig(bootstrap.url, instance)
     try:
         rig.handoff(rig.plan(1))  # the decode rank's group is handshaken and cached

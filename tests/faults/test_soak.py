@@ -16,10 +16,10 @@ import json
 import os
 from pathlib import Path
 
-from kvhandoff.soak.plan import Fault, Settings, chaos_schedule
-from kvhandoff.soak.report import render, write_json
-from kvhandoff.soak.run import Soak
-from kvhandoff.testing import netns
+from kvhandoff.lab.soak.plan import Fault, Settings, chaos_schedule
+from kvhandoff.lab.soak.report import render, write_json
+from kvhandoff.lab.soak.run import Soak
+from kvhandoff.lab.testing import netns
 
 # seed 2: kill decode, kill prefill (twice) and a 5.7 s freeze of a decode worker in 24 s;
 # where network namespaces can be made (root, `ip netns`), a third pair behind a veth link

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import time
 
+from kvhandoff.bootstrap.server import BootstrapServer
+from kvhandoff.lab.testing.rig import Rig
 from kvhandoff.plan.model import Plan
 from kvhandoff.session import Status
-from kvhandoff.session.bootstrap import BootstrapServer
-from kvhandoff.testing.rig import Rig
 from kvhandoff.transport.base import Handle, Peer
-from kvhandoff.transport.tcp import TcpTransport
+from kvhandoff.transport.tcp.transport import TcpTransport
 
 
 class StalledTcp(TcpTransport):

@@ -8,9 +8,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvhandoff.bootstrap.server import BootstrapServer
+from kvhandoff.lab.testing.rig import Rig
 from kvhandoff.session import Receiver, RequestAborted, RequestTimeout, Sender, Status
-from kvhandoff.session.bootstrap import BootstrapServer
-from kvhandoff.testing.rig import Rig
 
 SHORT = {"indices_timeout": 1.0, "waiting_timeout": 1.0, "transfer_timeout": 1.0}
 

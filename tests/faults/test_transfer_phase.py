@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
+from kvhandoff.bootstrap.server import BootstrapServer
+from kvhandoff.lab.testing.rig import Rig
 from kvhandoff.observe import timeline as tl
-from kvhandoff.session.bootstrap import BootstrapServer
-from kvhandoff.testing.rig import Rig
 from kvhandoff.transport import Handle
 
 

@@ -15,10 +15,10 @@ from typing import Any
 import msgspec
 import pytest
 
-from kvhandoff.session.bootstrap import BootstrapServer
-from kvhandoff.session.bootstrap_auth import sign
-from kvhandoff.session.bootstrap_client import RankRecord
-from kvhandoff.session.secret import PURPOSE_BOOTSTRAP, Secret, write_secret_file
+from kvhandoff.bootstrap.auth import sign
+from kvhandoff.bootstrap.client import RankRecord
+from kvhandoff.bootstrap.server import BootstrapServer
+from kvhandoff.secret import PURPOSE_BOOTSTRAP, Secret, write_secret_file
 
 SIG = "0123456789abcdef"
 

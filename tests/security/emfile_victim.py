@@ -16,9 +16,9 @@ import resource
 import sys
 import threading
 
-from kvhandoff.session.bootstrap import BootstrapServer
-from kvhandoff.testing.hostile import data_port, exact
-from kvhandoff.testing.rig import Rig
+from kvhandoff.bootstrap.server import BootstrapServer
+from kvhandoff.lab.testing.hostile import data_port, exact
+from kvhandoff.lab.testing.rig import Rig
 
 NOFILE = 512
 

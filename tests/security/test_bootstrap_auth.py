@@ -13,18 +13,18 @@ from typing import Any
 import msgspec
 import pytest
 
-from kvhandoff.session.bootstrap import BootstrapServer
-from kvhandoff.session.bootstrap_client import (
+from kvhandoff.bootstrap.client import (
     BootstrapRejected,
     RankRecord,
     deregister,
     lookup,
     register,
 )
+from kvhandoff.bootstrap.registration import deregister_rank, register_rank
+from kvhandoff.bootstrap.server import BootstrapServer
+from kvhandoff.secret import PURPOSE_BOOTSTRAP, Secret, write_secret_file
 from kvhandoff.session.config import SessionConfig
 from kvhandoff.session.errors import BootstrapFailed
-from kvhandoff.session.registration import deregister_rank, register_rank
-from kvhandoff.session.secret import PURPOSE_BOOTSTRAP, Secret, write_secret_file
 
 LEGIT = "tcp://10.0.0.1:17000"
 ATTACKER = "tcp://127.0.0.1:6666"
@@ -73,12 +73,12 @@ def test_forged_registrations_are_401(raw: Any, secure: BootstrapServer, key: by
         kw["key"] = Secret.load(write_secret_file(tmp_path / "mine")).key(PURPOSE_BOOTSTRAP)
         status, reply = raw.send("POST", "/v1/register", body, **kw)
     elif how == "tampered_body":  # signed for one record, sent with another
-        from kvhandoff.session.bootstrap_auth import sign
+        from kvhandoff.bootstrap.auth import sign
         hdrs = sign(key, "POST", "/v1/register", body, now=time.time())
         evil = msgspec.json.encode(rec(0, port=6666))
         status, reply = raw.send("POST", "/v1/register", evil, headers=hdrs)
     elif how == "tampered_path":
-        from kvhandoff.session.bootstrap_auth import sign
+        from kvhandoff.bootstrap.auth import sign
         hdrs = sign(key, "DELETE", "/v1/register", body, now=time.time())
         status, reply = raw.send("POST", "/v1/register", body, headers=hdrs)
     elif how == "garbage_headers":
@@ -95,7 +95,7 @@ def test_forged_registrations_are_401(raw: Any, secure: BootstrapServer, key: by
 
 def test_replayed_signature_is_refused(raw: Any, secure: BootstrapServer, key: bytes,
                                        rec: Any) -> None:
-    from kvhandoff.session.bootstrap_auth import sign
+    from kvhandoff.bootstrap.auth import sign
     body = msgspec.json.encode(rec(0))
     hdrs = sign(key, "POST", "/v1/register", body, now=time.time())
     assert raw.send("POST", "/v1/register", body, headers=hdrs)[0] == 200
@@ -199,7 +199,7 @@ def test_hijack_end_to_end_is_refused_and_handoffs_keep_working(
     the secret); the attacker's unsigned DELETE and re-registration of its slot are
     refused; decode keeps finding the real prefill, before and after; closing the prefill
     deregisters it, signed."""
-    from kvhandoff.testing.rig import Rig
+    from kvhandoff.lab.testing.rig import Rig
 
     rig = Rig(secure.url, "h1", prefill_cfg={"secret_file": secret_file},
               decode_cfg={"secret_file": secret_file})

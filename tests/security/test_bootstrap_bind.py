@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from kvhandoff.cli import main as cli_main
-from kvhandoff.session.bootstrap import check_bind, main
-from kvhandoff.session.bootstrap_client import BootstrapError
-from kvhandoff.session.secret import Secret
+from kvhandoff.bootstrap.client import BootstrapError
+from kvhandoff.bootstrap.server import check_bind, main
+from kvhandoff.lab.cli import main as cli_main
+from kvhandoff.secret import Secret
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1", "localhost", "127.0.0.2"])
@@ -54,7 +54,7 @@ def test_secret_file_from_the_environment_is_checked(capsys: pytest.CaptureFixtu
 def test_default_host_is_loopback(capsys: pytest.CaptureFixture[str]) -> None:
     import inspect
 
-    from kvhandoff.session import bootstrap
+    from kvhandoff.bootstrap import server as bootstrap
 
     assert inspect.signature(bootstrap.serve).parameters["host"].default == "127.0.0.1"
     with pytest.raises(SystemExit):

@@ -16,8 +16,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from kvhandoff.session.bootstrap import BootstrapServer, Limits
-from kvhandoff.session.bootstrap_client import health, lookup, register
+from kvhandoff.bootstrap.client import health, lookup, register
+from kvhandoff.bootstrap.server import BootstrapServer, Limits
 
 PARTIAL = b"POST /v1/register HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n"
 WAIT_S = 30.0  # the bound on every wait below; the server should need a second or two

@@ -1,5 +1,5 @@
 """The control plane with the deployment secret (findings H2, H3, M6; 2f, 4c, 4d): every
-control message is signed and checked (kvhandoff.session.control_auth). Strangers without
+control message is signed and checked (kvhandoff.session.control.auth). Strangers without
 the secret, even claiming a real peer's endpoint, change nothing and learn nothing; a
 captured frame cannot be replayed; a peer with another secret (or none) fails at its
 handshake, saying so; an authenticated peer that is not a request's own peer cannot
@@ -17,6 +17,10 @@ from typing import Any
 import pytest
 import zmq
 
+from kvhandoff.bootstrap.server import BootstrapServer
+from kvhandoff.lab.testing.fixtures import bootstrap, instance, no_leaked_threads
+from kvhandoff.lab.testing.hostile import Impostor, eventually, exact, hello_as, memory_problems
+from kvhandoff.lab.testing.rig import Rig, config
 from kvhandoff.protocol import (
     Abort,
     ErrorCode,
@@ -30,9 +34,9 @@ from kvhandoff.protocol import (
     decode_message,
     encode_message,
 )
+from kvhandoff.secret import PURPOSE_CONTROL, Secret, data_key, write_secret_file
 from kvhandoff.session import Agent, Status
-from kvhandoff.session.bootstrap import BootstrapServer
-from kvhandoff.session.control_auth import (
+from kvhandoff.session.control.auth import (
     HEADER_BYTES,
     MAGIC,
     UNAUTHENTICATED,
@@ -41,11 +45,7 @@ from kvhandoff.session.control_auth import (
     is_signed,
 )
 from kvhandoff.session.errors import HandshakeError
-from kvhandoff.session.prefill_desk import PrefillDesk
-from kvhandoff.session.secret import PURPOSE_CONTROL, Secret, data_key, write_secret_file
-from kvhandoff.testing.fixtures import bootstrap, instance, no_leaked_threads
-from kvhandoff.testing.hostile import Impostor, eventually, exact, hello_as, memory_problems
-from kvhandoff.testing.rig import Rig, config
+from kvhandoff.session.rank.prefill_desk import PrefillDesk
 from kvhandoff.transport import create_transport
 
 FIXTURES = (bootstrap, instance, no_leaked_threads)  # imported for pytest
@@ -355,7 +355,7 @@ def test_a_second_set_of_indices_fails_the_request_on_both_sides(
 def test_an_abort_reason_from_the_requests_peer_is_bounded(arig: Rig) -> None:
     """The real decode aborts a request whose indices wait for a Sender, with a 2 MiB
     reason: the tombstone keeps a bounded reason, and the Sender fails on arrival."""
-    from kvhandoff.session import backlog
+    from kvhandoff.session.rank import backlog
 
     rp = arig.plan(2, block=1)
     r = arig.receiver(rp)

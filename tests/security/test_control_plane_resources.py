@@ -15,6 +15,10 @@ import numpy as np
 import pytest
 import zmq
 
+from kvhandoff.bootstrap.server import BootstrapServer
+from kvhandoff.lab.testing.fixtures import bootstrap, instance, no_leaked_threads, rig
+from kvhandoff.lab.testing.hostile import Impostor, eventually, exact, hello_as
+from kvhandoff.lab.testing.rig import Rig
 from kvhandoff.protocol import (
     Abort,
     AbortAck,
@@ -27,13 +31,12 @@ from kvhandoff.protocol import (
     decode_message,
     encode_message,
 )
-from kvhandoff.session import Sender, Status, backlog, groups, peers
-from kvhandoff.session.bootstrap import BootstrapServer
-from kvhandoff.session.chunks import KvCursor
-from kvhandoff.session.prefill_desk import PrefillDesk
-from kvhandoff.testing.fixtures import bootstrap, instance, no_leaked_threads, rig
-from kvhandoff.testing.hostile import Impostor, eventually, exact, hello_as
-from kvhandoff.testing.rig import Rig
+from kvhandoff.session import Sender, Status
+from kvhandoff.session.peers import decode_ranks as peers
+from kvhandoff.session.peers import prefill_groups as groups
+from kvhandoff.session.rank import backlog
+from kvhandoff.session.rank.prefill_desk import PrefillDesk
+from kvhandoff.session.request.chunks import KvCursor
 from kvhandoff.transport import Transport, create_transport
 
 FIXTURES = (bootstrap, instance, no_leaked_threads, rig)  # imported for pytest
@@ -284,7 +287,7 @@ def test_the_handshake_waits_for_the_whole_bootstrap_timeout(
 
 def test_junk_is_logged_at_a_bounded_rate(rig: Rig, ctx: zmq.Context[zmq.Socket[bytes]],
                                           caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="kvhandoff.session.control")
+    caplog.set_level(logging.WARNING, logger="kvhandoff.session.control.channel")
     with Impostor(rig.prefill.endpoint, ctx=ctx, listen=False,
                   identity="tcp://127.0.0.1:1") as imp:
         for i in range(50):

@@ -27,18 +27,17 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvhandoff.bootstrap.server import BootstrapServer
+from kvhandoff.lab.testing.fixtures import bootstrap, instance, no_leaked_threads, rig
+from kvhandoff.lab.testing.hostile import eventually, exact, frame, memory_problems
+from kvhandoff.lab.testing.rig import Rig
 from kvhandoff.plan.model import Plan, TensorPlan
+from kvhandoff.secret import PURPOSE_DATA, Secret, write_secret_file
 from kvhandoff.session import Status
-from kvhandoff.session.bootstrap import BootstrapServer
-from kvhandoff.session.secret import PURPOSE_DATA, Secret, write_secret_file
-from kvhandoff.testing.fixtures import bootstrap, instance, no_leaked_threads, rig
-from kvhandoff.testing.hostile import eventually, exact, frame, memory_problems
-from kvhandoff.testing.rig import Rig
-from kvhandoff.transport import ConnectError, TransferState, tcp
-from kvhandoff.transport import _served as served
-from kvhandoff.transport._served import prove
+from kvhandoff.transport import ConnectError, TransferState
 from kvhandoff.transport.base import Peer
-from kvhandoff.transport.handshake_auth import (
+from kvhandoff.transport.framing import served
+from kvhandoff.transport.framing.handshake import (
     CLIENT_FRAME,
     SERVER_FRAME,
     ClientHandshake,
@@ -46,12 +45,14 @@ from kvhandoff.transport.handshake_auth import (
     ServerHandshake,
     derive_key,
 )
+from kvhandoff.transport.framing.served import prove
+from kvhandoff.transport.framing.wire import HEADER, MAX_DESC, Kind
 from kvhandoff.transport.regions import RegionTable
-from kvhandoff.transport.shm import ShmTransport
+from kvhandoff.transport.shm.transport import ShmTransport
 from kvhandoff.transport.staging import Staging, StagingConfig
-from kvhandoff.transport.tcp import TcpEndpoint, TcpTransport
-from kvhandoff.transport.tcp_client import TcpPeer, _Conn, _Frame
-from kvhandoff.transport.tcp_wire import HEADER, MAX_DESC, Kind
+from kvhandoff.transport.tcp import transport as tcp
+from kvhandoff.transport.tcp.client import TcpPeer, _Conn, _Frame
+from kvhandoff.transport.tcp.transport import TcpEndpoint, TcpTransport
 from kvhandoff.transport.throttle import Throttle
 
 FIXTURES = (bootstrap, instance, no_leaked_threads, rig)  # imported for pytest

@@ -15,19 +15,19 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvhandoff.session.bootstrap import BootstrapServer
+from kvhandoff.bootstrap.server import BootstrapServer
+from kvhandoff.lab.testing.fixtures import bootstrap, instance, no_leaked_threads
+from kvhandoff.lab.testing.hostile import exact
+from kvhandoff.lab.testing.rig import Rig
+from kvhandoff.lab.testing.transport import PlanBuilder, noise
+from kvhandoff.secret import PURPOSE_DATA, Secret, data_key, write_secret_file
 from kvhandoff.session.config import SessionConfig
-from kvhandoff.session.secret import PURPOSE_DATA, Secret, data_key, write_secret_file
-from kvhandoff.testing.fixtures import bootstrap, instance, no_leaked_threads
-from kvhandoff.testing.hostile import exact
-from kvhandoff.testing.rig import Rig
 from kvhandoff.transport import ConnectError, TransferState, available_transports
-from kvhandoff.transport._engine import EnginePeer
-from kvhandoff.transport._served import prove
+from kvhandoff.transport.engines.common import EnginePeer
+from kvhandoff.transport.framing.served import prove
 from kvhandoff.transport.registry import create_transport
-from kvhandoff.transport.shm import ShmTransport
+from kvhandoff.transport.shm.transport import ShmTransport
 from kvhandoff.transport.staging import Staging, StagingConfig
-from kvhandoff.transport.testing import PlanBuilder, noise
 
 FIXTURES = (bootstrap, instance, no_leaked_threads)  # imported for pytest
 DATA_KEY = Secret.from_bytes(b"kvhandoff engine staging test secret, 32+").key(PURPOSE_DATA)

@@ -14,21 +14,22 @@ from pathlib import Path
 
 import pytest
 
-from kvhandoff.testing.fixtures import bootstrap, instance, no_leaked_threads, rig
-from kvhandoff.testing.hostile import data_port, exact, frame, read_reply
-from kvhandoff.testing.rig import Rig
-from kvhandoff.transport import _served, staging
-from kvhandoff.transport._served import prove
+from kvhandoff.lab.testing.fixtures import bootstrap, instance, no_leaked_threads, rig
+from kvhandoff.lab.testing.hostile import data_port, exact, frame, read_reply
+from kvhandoff.lab.testing.rig import Rig
+from kvhandoff.transport import staging
 from kvhandoff.transport.errors import ProtocolError
-from kvhandoff.transport.handshake_auth import (
+from kvhandoff.transport.framing import served as _served
+from kvhandoff.transport.framing.handshake import (
     CLIENT_FRAME,
     SERVER_FRAME,
     ClientHandshake,
     HandshakeFailed,
 )
+from kvhandoff.transport.framing.served import prove
+from kvhandoff.transport.framing.wire import HEADER, MAX_DESC, Kind, Records, Status
 from kvhandoff.transport.regions import RegionTable
-from kvhandoff.transport.tcp import TcpEndpoint
-from kvhandoff.transport.tcp_wire import HEADER, MAX_DESC, Kind, Records, Status
+from kvhandoff.transport.tcp.transport import TcpEndpoint
 
 FIXTURES = (bootstrap, instance, no_leaked_threads, rig)  # imported for pytest
 VICTIM = Path(__file__).with_name("emfile_victim.py")

@@ -1,5 +1,5 @@
-"""The deployment secret (kvhandoff.session.secret) and the request MAC
-(kvhandoff.session.bootstrap_auth), without a network: file modes, sizes, derivation
+"""The deployment secret (kvhandoff.secret) and the request MAC
+(kvhandoff.bootstrap.auth), without a network: file modes, sizes, derivation
 (RFC 5869 vectors), the replay window and its bounded memory."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvhandoff.session.bootstrap_auth import AuthRefused, Verifier, sign
-from kvhandoff.session.secret import (
+from kvhandoff.bootstrap.auth import AuthRefused, Verifier, sign
+from kvhandoff.secret import (
     MIN_SECRET_BYTES,
     PURPOSE_BOOTSTRAP,
     Secret,

@@ -9,17 +9,17 @@ from pathlib import Path
 import pytest
 
 from kvhandoff.protocol import IndexListMsg, RankId, TransferInit
-from kvhandoff.session import backlog as backlog_mod
-from kvhandoff.session import claims as claims_mod
-from kvhandoff.session.backlog import (
+from kvhandoff.session.errors import PeerLost, RequestAborted
+from kvhandoff.session.rank import backlog as backlog_mod
+from kvhandoff.session.rank import claims as claims_mod
+from kvhandoff.session.rank.backlog import (
     MAX_ID_BYTES,
     MAX_REASON,
     PrefillBacklog,
     id_problem,
     init_bytes,
 )
-from kvhandoff.session.claims import Claims, abort_from, admit, slot_of, two_endpoints
-from kvhandoff.session.errors import PeerLost, RequestAborted
+from kvhandoff.session.rank.claims import Claims, abort_from, admit, slot_of, two_endpoints
 
 RANK = RankId(instance="d", dp_rank=0, tp_rank=1, tp_size=2, pp_rank=0, pp_size=1)
 

@@ -22,9 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvhandoff.errors import HandoffError
-from kvhandoff.session.bootstrap import BootstrapServer, Limits, Registry
-from kvhandoff.session.bootstrap_client import (
+from kvhandoff.bootstrap.client import (
     BootstrapError,
     BootstrapRejected,
     BootstrapTimeout,
@@ -39,6 +37,8 @@ from kvhandoff.session.bootstrap_client import (
     lookup,
     register,
 )
+from kvhandoff.bootstrap.server import BootstrapServer, Limits, Registry
+from kvhandoff.errors import HandoffError
 
 SIG = "0123456789abcdef"
 FAST: dict[str, Any] = {"retries": 3, "backoff": 0.02, "max_backoff": 0.05, "timeout": 1.0}
@@ -406,7 +406,7 @@ def test_a_busy_port_fails_start_with_a_clear_error() -> None:
 
 
 def test_serve_exits_cleanly_on_sigterm() -> None:
-    code = ("import sys; from kvhandoff.session.bootstrap import serve; "
+    code = ("import sys; from kvhandoff.bootstrap.server import serve; "
             "sys.exit(serve('127.0.0.1', 0))")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -470,7 +470,7 @@ def test_racing_claims_on_one_slot_have_one_winner(srv: BootstrapServer) -> None
 
 
 def _stage(model: str, pp: int, page: int) -> Any:
-    from kvhandoff import shapes
+    from kvhandoff.lab import shapes
     return shapes.layout_for(shapes.tiny(shapes.get(model)), tp_rank=0, tp_size=1,
                              page_size=page, num_pages=4, num_slots=2, pp_rank=pp, pp_size=2)
 

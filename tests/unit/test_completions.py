@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from typing import cast
 
-from kvhandoff.session.completion import Completions
+from kvhandoff.session.control.completion import Completions
 from kvhandoff.transport.base import Capabilities, Handle, TransferState, Transport
 from kvhandoff.transport.errors import TransportClosed, TransportError
 

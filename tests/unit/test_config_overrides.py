@@ -2,7 +2,7 @@
 
 The environment path is checked on real agents built without a config (what the demo's
 workers and the engine's links do); the CLI path through ``kvhandoff demo``'s parser up to
-the :class:`~kvhandoff.demo_worker.WorkerSpec` each worker process is started with.
+the :class:`~kvhandoff.lab.demo_worker.WorkerSpec` each worker process is started with.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from typing import Any
 
 import pytest
 
-from kvhandoff import cli, demo
-from kvhandoff.demo_worker import WorkerSpec, decode_main, session_config
+from kvhandoff.lab import cli, demo
+from kvhandoff.lab.demo_worker import WorkerSpec, decode_main, session_config
+from kvhandoff.lab.testing.handoff import DECODE, PREFILL, Arena, Topology, layout_of
 from kvhandoff.session import Agent, BootstrapFailed, Receiver, SessionConfig, Status
 from kvhandoff.session.config import (
     TIMEOUT_FIELDS,
@@ -29,7 +30,6 @@ from kvhandoff.session.config import (
     env_of,
     timeout_overrides,
 )
-from kvhandoff.testing.handoff import DECODE, PREFILL, Arena, Topology, layout_of
 
 DEFAULTS = {"bootstrap_timeout": 30.0, "indices_timeout": 300.0, "waiting_timeout": 300.0,
             "transfer_timeout": 60.0, "release_timeout": 30.0, "heartbeat_interval": 1.0,

@@ -1,11 +1,12 @@
-"""The control-message MAC (kvhandoff.session.control_auth), driven with no sockets: bytes
+"""The control-message MAC (kvhandoff.session.control.auth), driven with no sockets: bytes
 and a clock in, accept or refuse out."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvhandoff.session.control_auth import (
+from kvhandoff.secret import PURPOSE_BOOTSTRAP, PURPOSE_CONTROL, Secret
+from kvhandoff.session.control.auth import (
     HEADER_BYTES,
     MAGIC,
     Signer,
@@ -14,7 +15,6 @@ from kvhandoff.session.control_auth import (
     Verifier,
     is_signed,
 )
-from kvhandoff.session.secret import PURPOSE_BOOTSTRAP, PURPOSE_CONTROL, Secret
 
 KEY = Secret.from_bytes(b"k" * 32).key(PURPOSE_CONTROL)
 A, B, C = "tcp://10.0.0.1:7000", "tcp://10.0.0.2:7000", "tcp://10.0.0.3:7000"

@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from kvhandoff import cli
-from kvhandoff import layout_demo as demo
-from kvhandoff.demo import Row
+from kvhandoff.lab import cli
+from kvhandoff.lab import layout_demo as demo
+from kvhandoff.lab.demo import Row
 from kvhandoff.plan.execute import HostMemory
 
 
@@ -48,7 +48,7 @@ def test_cli_demo_exit_code_and_json(tmp_path: object, capsys: pytest.CaptureFix
 
 
 def test_prompt_plan_covers_the_cases() -> None:
-    from kvhandoff.demo_worker import prompt_plan
+    from kvhandoff.lab.demo_worker import prompt_plan
 
     plan = prompt_plan(5, page_size=4, chunk=16, window=8, vocab=128)
     kinds = [k for k, _ in plan]
@@ -77,7 +77,7 @@ def test_leaked_pools_fail_the_demo_and_are_named(monkeypatch: pytest.MonkeyPatc
                                                   tmp_path: object) -> None:
     """Every request matched, but decode's pages were not all freed: exit 1, and the
     output and the JSON name the pool and the count."""
-    from kvhandoff import demo as engine_demo
+    from kvhandoff.lab import demo as engine_demo
 
     leaks = {"prefill pages": 0, "decode pages": 3, "decode slots": 1}
     monkeypatch.setattr(engine_demo, "run",
@@ -95,7 +95,7 @@ def test_leaked_pools_fail_the_demo_and_are_named(monkeypatch: pytest.MonkeyPatc
 
 def test_empty_pools_pass(monkeypatch: pytest.MonkeyPatch,
                           capsys: pytest.CaptureFixture[str]) -> None:
-    from kvhandoff import demo as engine_demo
+    from kvhandoff.lab import demo as engine_demo
 
     monkeypatch.setattr(engine_demo, "run", lambda opts, progress=None: engine_demo.Outcome(
         [_row(0), _row(1)], {"prefill pages": 0, "decode pages": 0}))

@@ -6,7 +6,7 @@ executes every pair, and compares each decode rank with a reconstruction written
 with array reshapes and slices (head / channel groups cut per rank, pages paired
 by position) — a check that shares nothing with the planner's byte arithmetic.
 The geometry of each tensor comes from the model dims (``sem`` below), not from
-the layouts' ShardSpecs, so it checks :mod:`kvhandoff.shapes` as well.
+the layouts' ShardSpecs, so it checks :mod:`kvhandoff.lab.shapes` as well.
 
 Also here: the worked GDN conv example of sglang_facts.md §4.6 as exact pieces,
 and one regression test per planner-relevant bug of sglang_facts.md §7.
@@ -26,7 +26,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvhandoff import shapes
 from kvhandoff.errors import (
     IndexLengthMismatch,
     LayoutError,
@@ -35,10 +34,11 @@ from kvhandoff.errors import (
     PlanError,
     TrimWarning,
 )
+from kvhandoff.lab import shapes
+from kvhandoff.lab.shapes import ConvInput, LayerKind, ModelShape
 from kvhandoff.layout import NO_LAYER, Component, Layout, RowKind, TensorSpec
 from kvhandoff.plan import Indices, Plan, check_compatible, plan
 from kvhandoff.plan.execute import HostMemory, execute
-from kvhandoff.shapes import ConvInput, LayerKind, ModelShape
 from kvhandoff.state_types import LengthPolicy, StateType, policy
 
 TP_PAIRS = [(1, 1), (2, 1), (1, 2), (2, 4), (4, 2), (8, 2)]
@@ -781,7 +781,7 @@ def test_importing_the_planner_pulls_in_no_io() -> None:
 
 def test_shapes_module_is_pure_too() -> None:
     out = subprocess.run(
-        [sys.executable, "-c", "import kvhandoff.shapes, sys; print(sorted(sys.modules))"],
+        [sys.executable, "-c", "import kvhandoff.lab.shapes, sys; print(sorted(sys.modules))"],
         capture_output=True, text=True, check=True,
     ).stdout
     banned = {"socket", "threading", "asyncio", "subprocess", "matplotlib"}

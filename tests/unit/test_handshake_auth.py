@@ -1,4 +1,4 @@
-"""The data-plane handshake's pure core (:mod:`kvhandoff.transport.handshake_auth`):
+"""The data-plane handshake's pure core (:mod:`kvhandoff.transport.framing.handshake`):
 two honest sides agree; a wrong key, a replayed or reflected frame, a stale endpoint,
 truncated and oversized frames are each refused with a reason. No sockets."""
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-import kvhandoff.transport.handshake_auth as ha
-from kvhandoff.session.secret import PURPOSE_BOOTSTRAP, PURPOSE_CONTROL, PURPOSE_DATA, Secret
-from kvhandoff.transport.handshake_auth import (
+import kvhandoff.transport.framing.handshake as ha
+from kvhandoff.secret import PURPOSE_BOOTSTRAP, PURPOSE_CONTROL, PURPOSE_DATA, Secret
+from kvhandoff.transport.framing.handshake import (
     CLIENT_FRAME,
     SERVER_FRAME,
     ClientHandshake,

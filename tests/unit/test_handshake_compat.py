@@ -10,7 +10,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from kvhandoff import shapes
+from kvhandoff.lab import shapes
 from kvhandoff.layout import Layout, MemoryKind
 from kvhandoff.protocol import (
     PROTOCOL_VERSION,
@@ -22,8 +22,8 @@ from kvhandoff.protocol import (
     encode_message,
     layout_to_msg,
 )
-from kvhandoff.session.compat import answer_hello, handshake_report
-from kvhandoff.session.ranks import writes
+from kvhandoff.session.peers.compat import answer_hello, handshake_report
+from kvhandoff.session.peers.mapping import writes
 
 QWEN = shapes.tiny(shapes.get("qwen3_next"))
 
@@ -208,8 +208,8 @@ def test_an_accepted_rank_keeps_the_layout_its_hello_was_checked_with(
     with, so no plan compares two equal layouts field by field."""
     from types import SimpleNamespace
 
-    import kvhandoff.session.compat as compat_mod
-    import kvhandoff.session.peers as peers_mod
+    import kvhandoff.session.peers.compat as compat_mod
+    import kvhandoff.session.peers.decode_ranks as peers_mod
 
     checked: list[Layout] = []
     check = compat_mod.check_hello

@@ -7,7 +7,7 @@ import multiprocessing as mp
 import sys
 from pathlib import Path
 
-from kvhandoff.testing.hogs import run
+from kvhandoff.lab.testing.hogs import run
 
 
 def test_every_run_passes_and_the_hogs_are_gone() -> None:

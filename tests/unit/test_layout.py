@@ -135,7 +135,7 @@ def test_signature_ignores_what_may_differ_and_sees_what_may_not() -> None:
 
 
 def _stages(model: str, page: int) -> list[Layout]:
-    from kvhandoff import shapes
+    from kvhandoff.lab import shapes
     m = shapes.tiny(shapes.get(model))
     return [shapes.layout_for(m, tp_rank=0, tp_size=1, page_size=page, num_pages=4,
                               num_slots=2, pp_rank=s, pp_size=2) for s in range(2)]

@@ -12,10 +12,10 @@ import msgspec
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvhandoff.bootstrap.client import RankRecord
+from kvhandoff.bootstrap.server import BootstrapServer
 from kvhandoff.observe import timeline as tl
 from kvhandoff.observe.metrics import HandoffMetrics
-from kvhandoff.session.bootstrap import BootstrapServer
-from kvhandoff.session.bootstrap_client import RankRecord
 
 
 def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:

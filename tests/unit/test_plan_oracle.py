@@ -1,4 +1,4 @@
-"""The planner against the naive oracle (``kvhandoff.testing.oracle``), byte for byte.
+"""The planner against the naive oracle (``kvhandoff.lab.testing.oracle``), byte for byte.
 
 Random models (components of every row kind, sharded/replicated/elided tensors,
 GQA replication, grouped axes, outer rows, re-paging, ring resizing, PP splits,
@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from kvhandoff.errors import IndexLengthMismatch, OutOfBounds, PlanError, TrimWarning
+from kvhandoff.lab.testing.oracle import ByteMap, expected_writes
 from kvhandoff.layout import (
     NO_LAYER,
     Component,
@@ -33,7 +34,6 @@ from kvhandoff.layout import (
 from kvhandoff.plan import Indices, Plan, Segments, execute, plan
 from kvhandoff.plan.execute import HostMemory
 from kvhandoff.state_types import LengthPolicy, StateType, policy
-from kvhandoff.testing.oracle import ByteMap, expected_writes
 
 I64 = npt.NDArray[np.int64]
 SRC, DST = 0, 1  # which side of a CompDef's (prefill, decode) pairs
@@ -899,7 +899,7 @@ def test_layers_of_mixed_kv_shapes_match_the_oracle(name: str, tp: tuple[int, in
     their attention (head-sharded over K/V, replicated over the hidden stream): the planner
     writes exactly the oracle's bytes into every decode rank, at TP 2→1, 1→2 and where a
     group is replicated on one side and sharded on the other."""
-    from kvhandoff import shapes
+    from kvhandoff.lab import shapes
 
     shape = shapes.tiny(shapes.get(name))
     sizes = {"page_size": 4, "num_pages": 8, "num_slots": 3}

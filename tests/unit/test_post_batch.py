@@ -1,4 +1,4 @@
-"""Decode's held control messages (:mod:`kvhandoff.session.post_batch`): what goes out,
+"""Decode's held control messages (:mod:`kvhandoff.session.control.post_batch`): what goes out,
 packed, in which order; no socket, no agent."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from kvhandoff.protocol import (
     TransferInit,
     TransferInits,
 )
-from kvhandoff.session.post_batch import PostBatcher, init_bytes, pack
+from kvhandoff.session.control.post_batch import PostBatcher, init_bytes, pack
 
 ME = RankId(instance="decode")
 

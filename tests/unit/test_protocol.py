@@ -22,7 +22,8 @@ import kvhandoff.session as session
 import kvhandoff.session.errors as session_errors
 import kvhandoff.transport as transport
 import kvhandoff.transport.errors as transport_errors
-from kvhandoff import protocol, shapes
+from kvhandoff import protocol
+from kvhandoff.lab import shapes
 from kvhandoff.layout import (
     NO_LAYER,
     Component,

@@ -13,11 +13,11 @@ from dataclasses import replace
 
 import pytest
 
-from kvhandoff import shapes
 from kvhandoff.errors import LayoutMismatch
+from kvhandoff.lab import shapes
 from kvhandoff.layout import Component, Layout, ShardSpec, TensorSpec
 from kvhandoff.plan import plan
-from kvhandoff.session.ranks import (
+from kvhandoff.session.peers.mapping import (
     PrefillPeer,
     RankKey,
     bootstrap_peers,

@@ -26,7 +26,6 @@ from kvhandoff.protocol import (
     TransferStatus,
 )
 from kvhandoff.session import SessionConfig, Status
-from kvhandoff.session.aux import AuxState
 from kvhandoff.session.errors import (
     AgentClosed,
     AuxMismatch,
@@ -37,7 +36,9 @@ from kvhandoff.session.errors import (
     RequestTimeout,
     TransferFailed,
 )
-from kvhandoff.session.recv_core import (
+from kvhandoff.session.request.aux import AuxState
+from kvhandoff.session.request.core import Fail, Fire, Mark, Post
+from kvhandoff.session.request.recv_core import (
     MAX_REHANDSHAKES,
     CheckGuard,
     ClearGuard,
@@ -46,8 +47,7 @@ from kvhandoff.session.recv_core import (
     Release,
     Verify,
 )
-from kvhandoff.session.request_core import Fail, Fire, Mark, Post
-from kvhandoff.session.status import Event, StateMachine
+from kvhandoff.session.request.status import Event, StateMachine
 
 ME = RankId(instance="decode")
 CONFIG = SessionConfig(bootstrap_timeout=10.0, waiting_timeout=20.0, transfer_timeout=30.0,

@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import kvhandoff.session
-from kvhandoff import shapes
 from kvhandoff.errors import RemoteOutOfBounds
+from kvhandoff.lab import shapes
 from kvhandoff.layout import Layout
 from kvhandoff.observe import timeline as tl
 from kvhandoff.protocol import AbortAck, IndexListMsg, Outcome, RankId, TransferInit, TransferStatus
@@ -30,8 +30,8 @@ from kvhandoff.session.errors import (
     RequestTimeout,
     TransferFailed,
 )
-from kvhandoff.session.request_core import Fail, Fire, Mark, Post
-from kvhandoff.session.send_core import (
+from kvhandoff.session.request.core import Fail, Fire, Mark, Post
+from kvhandoff.session.request.send_core import (
     PlanChunk,
     SendCore,
     Settle,
@@ -40,7 +40,7 @@ from kvhandoff.session.send_core import (
     WriteFailed,
     failed_answer,
 )
-from kvhandoff.session.status import Event, StateMachine
+from kvhandoff.session.request.status import Event, StateMachine
 from kvhandoff.transport.errors import TransportError
 
 PAGE = 4
@@ -581,17 +581,16 @@ def test_any_event_order_keeps_the_promises(names: list[str], drain: bool) -> No
 # --- the cores stay pure ----------------------------------------------------------------------
 
 _IO = ("socket", "threading", "time", "zmq", "selectors", "asyncio", "subprocess",
-       "concurrent", "kvhandoff.transport", "kvhandoff.session.host", "kvhandoff.session.peers",
-       "kvhandoff.session.groups", "kvhandoff.session.control", "kvhandoff.session.agent",
-       "kvhandoff.session.completion", "kvhandoff.session.sender",
-       "kvhandoff.session.receiver")
+       "concurrent", "kvhandoff.transport", "kvhandoff.session.request.host",
+       "kvhandoff.session.rank", "kvhandoff.session.control",
+       "kvhandoff.session.request.sender", "kvhandoff.session.request.receiver")
 
 
-@pytest.mark.parametrize("module", ["request_core", "send_core", "recv_core", "chunks"])
+@pytest.mark.parametrize("module", ["core", "send_core", "recv_core", "chunks"])
 def test_a_core_imports_no_io_module_itself(module: str) -> None:
     """A core's own imports: no socket, thread, clock, transport or agent-side module (the
     shells and the modules they use do that)."""
-    path = Path(kvhandoff.session.__file__).parent / f"{module}.py"
+    path = Path(kvhandoff.session.__file__).parent / "request" / f"{module}.py"
     tree = ast.parse(path.read_text())
     names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}

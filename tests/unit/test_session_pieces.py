@@ -8,17 +8,17 @@ import itertools
 import numpy as np
 import pytest
 
-from kvhandoff import shapes
+from kvhandoff.lab import shapes
 from kvhandoff.layout import Component, Layout, TensorSpec
 from kvhandoff.plan import execute, plan
 from kvhandoff.plan.execute import HostMemory
 from kvhandoff.session import SessionConfig, route_dp
-from kvhandoff.session import aux as auxmod
-from kvhandoff.session.checksum import plan_digests
-from kvhandoff.session.chunks import KvCursor
-from kvhandoff.session.liveness import Liveness
-from kvhandoff.session.memory import TensorViews
-from kvhandoff.session.ranks import bootstrap_peers, decode_candidates
+from kvhandoff.session.peers.mapping import bootstrap_peers, decode_candidates
+from kvhandoff.session.rank.liveness.book import Liveness
+from kvhandoff.session.request import aux as auxmod
+from kvhandoff.session.request.checksum import plan_digests
+from kvhandoff.session.request.chunks import KvCursor
+from kvhandoff.session.request.views import TensorViews
 from kvhandoff.state_types import StateType
 
 

@@ -1,5 +1,5 @@
 """The session centre's small parts, with no socket and no agent: a request against a
-fake :class:`~kvhandoff.session.host.RankHost`, the peer watch, the layout's components."""
+fake :class:`~kvhandoff.session.request.host.RankHost`, the peer watch, the layout's components."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ import threading
 
 import pytest
 
-from kvhandoff import shapes
+from kvhandoff.lab import shapes
 from kvhandoff.layout import Component, Layout
 from kvhandoff.protocol import Message
 from kvhandoff.session import Receiver, RequestAborted, Sender, SessionConfig, Status
-from kvhandoff.session.components import Components, repageable
-from kvhandoff.session.groups import GroupKey, PrefillGroup
-from kvhandoff.session.host import NO_BACKLOG, Backlog, Request, Role
-from kvhandoff.session.watch import PeerWatch
+from kvhandoff.session.peers.prefill_groups import GroupKey, PrefillGroup
+from kvhandoff.session.rank.liveness.watch import PeerWatch
+from kvhandoff.session.request.components import Components, repageable
+from kvhandoff.session.request.host import NO_BACKLOG, Backlog, Request, Role
 from kvhandoff.state_types import StateType
 
 

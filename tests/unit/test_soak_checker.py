@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvhandoff.soak.checker import (
+from kvhandoff.lab.soak.checker import (
     Blocks,
     Record,
     detection,
@@ -13,8 +13,8 @@ from kvhandoff.soak.checker import (
     rss_check,
     summarise,
 )
-from kvhandoff.soak.messages import Ended, Leaks
-from kvhandoff.soak.plan import Abort, ChaosEvent, Fault, RequestSpec
+from kvhandoff.lab.soak.messages import Ended, Leaks
+from kvhandoff.lab.soak.plan import Abort, ChaosEvent, Fault, RequestSpec
 
 BLOCKS = Blocks(total=8, free=8, quarantined=0, in_flight=0)
 

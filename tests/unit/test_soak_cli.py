@@ -6,8 +6,8 @@ import argparse
 
 import pytest
 
-from kvhandoff.cli import main
-from kvhandoff.soak.cli import add_arguments, transports
+from kvhandoff.lab.cli import main
+from kvhandoff.lab.soak.cli import add_arguments, transports
 
 
 def test_soak_is_a_command(capsys: pytest.CaptureFixture[str]) -> None:

@@ -8,10 +8,10 @@ import itertools
 import numpy as np
 import pytest
 
-from kvhandoff.soak import pattern
-from kvhandoff.soak.plan import WARMUP, Fault, Settings, chaos_schedule, request_spec
-from kvhandoff.testing.handoff import AUX, first_token, stamp_prefill_aux
-from kvhandoff.testing.oracle import ByteMap
+from kvhandoff.lab.soak import pattern
+from kvhandoff.lab.soak.plan import WARMUP, Fault, Settings, chaos_schedule, request_spec
+from kvhandoff.lab.testing.handoff import AUX, first_token, stamp_prefill_aux
+from kvhandoff.lab.testing.oracle import ByteMap
 
 
 def test_the_same_seed_gives_the_same_soak() -> None:

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvhandoff.protocol import LocalProtocolError
-from kvhandoff.session.status import (
+from kvhandoff.session.request.status import (
     COMBINE_ORDER,
     TERMINAL,
     TRANSITIONS,

@@ -10,8 +10,8 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from kvhandoff.engine.sweep import Result, Row
-from kvhandoff.engine.sweep_report import (
+from kvhandoff.lab.engine.sweep import Result, Row
+from kvhandoff.lab.engine.sweep_report import (
     BEGIN,
     END,
     counts,

@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from kvhandoff.engine.tiny import TINY_LAYERS, per_layer_lists, tiny_config
+from kvhandoff.lab.engine.tiny import TINY_LAYERS, per_layer_lists, tiny_config
 
 
 def test_a_family_is_shrunk_by_its_own_attribute_names() -> None:

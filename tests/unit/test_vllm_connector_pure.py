@@ -19,11 +19,11 @@ from kvhandoff.integrations.vllm.layout import (
 )
 from kvhandoff.integrations.vllm.requests import GroupRule, backoff, pick, prompt_digest
 from kvhandoff.integrations.vllm.scheduler import SchedulerConfig, SchedulerSide
+from kvhandoff.lab.testing.oracle import expected_writes
 from kvhandoff.layout import Layout
 from kvhandoff.plan import Indices, plan
-from kvhandoff.session.compat import handshake_report
+from kvhandoff.session.peers.compat import handshake_report
 from kvhandoff.state_types import StateType
-from kvhandoff.testing.oracle import expected_writes
 
 BLOCKS, BS, HEAD, KV_HEADS = 16, 32, 64, 4
 

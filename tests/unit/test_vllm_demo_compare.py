@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvhandoff.integrations.vllm_demo import Completion, compare
+from kvhandoff.lab.vllm.demo import Completion, compare
 
 
 def _c(tokens: list[int], gap: float = 1.0) -> Completion:

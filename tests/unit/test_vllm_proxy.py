@@ -22,8 +22,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from kvhandoff.cli import main as cli_main
-from kvhandoff.integrations.vllm_proxy import (
+from kvhandoff.lab.cli import main as cli_main
+from kvhandoff.lab.vllm.proxy import (
     DECODE_MS,
     FAILED_HOP,
     PREFILL_MS,

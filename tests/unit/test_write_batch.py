@@ -1,4 +1,4 @@
-"""Prefill's batched writes (:mod:`kvhandoff.session.write_batch`) and the plan merge
+"""Prefill's batched writes (:mod:`kvhandoff.session.control.write_batch`) and the plan merge
 behind them (:mod:`kvhandoff.plan.merge`): no socket, no thread, no clock.
 
 A fake transport records each submit; the batcher's ``track`` is a list the test reads,
@@ -14,16 +14,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvhandoff import shapes
+from kvhandoff.lab import shapes
 from kvhandoff.plan import Plan, TensorPlan, plan
 from kvhandoff.plan import merge as merge_module
 from kvhandoff.plan.merge import merge
 from kvhandoff.plan.model import part_entries
 from kvhandoff.protocol import Outcome, RankId, TransferStatus, decode_notice
-from kvhandoff.session.completion import Callback
-from kvhandoff.session.notices import in_band_all
-from kvhandoff.session.peers import DecodePeer
-from kvhandoff.session.write_batch import BatchedWrite, Fanout, WriteBatcher, fit, groups
+from kvhandoff.session.control.completion import Callback
+from kvhandoff.session.control.write_batch import BatchedWrite, Fanout, WriteBatcher, fit, groups
+from kvhandoff.session.peers.decode_ranks import DecodePeer
+from kvhandoff.session.rank.notices import in_band_all
 from kvhandoff.transport.base import MAX_NOTICE, Capabilities, Handle
 from kvhandoff.transport.errors import PeerLost, TransportClosed, TransportError
 

@@ -68,7 +68,7 @@ from kvhandoff.integrations.vllm.scheduler import SchedulerConfig, SchedulerSide
 from kvhandoff.integrations.vllm.worker import AuxRows, WorkerSide
 from kvhandoff.layout import Region
 from kvhandoff.session.config import SessionConfig
-from kvhandoff.session.receiver import bootstrap_url
+from kvhandoff.session.request.receiver import bootstrap_url
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -47,8 +47,8 @@ import torch
 from kvhandoff.integrations.vllm.layout import TensorInfo
 from kvhandoff.layout import MemoryKind
 from kvhandoff.plan.runs import runs as coalesce
+from kvhandoff.secret import data_key
 from kvhandoff.session.config import SessionConfig
-from kvhandoff.session.secret import data_key
 from kvhandoff.transport.base import Transport
 from kvhandoff.transport.registry import (
     CUDA_STAGED_ONLY,

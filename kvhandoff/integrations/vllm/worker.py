@@ -1,6 +1,6 @@
-"""The connector's worker half: one kvhandoff :class:`~kvhandoff.session.agent.Agent` per
-vLLM worker, a :class:`~kvhandoff.session.sender.Sender` per request leaving prefill and a
-:class:`~kvhandoff.session.receiver.Receiver` per request arriving on decode.
+"""The connector's worker half: one kvhandoff :class:`~kvhandoff.session.rank.agent.Agent` per
+vLLM worker, a :class:`~kvhandoff.session.request.sender.Sender` per request leaving prefill and a
+:class:`~kvhandoff.session.request.receiver.Receiver` per request arriving on decode.
 
 vLLM calls in on its step thread; the agent's own threads move the bytes. ``finished``
 (vLLM's ``get_finished``) polls the live requests and reports:
@@ -42,13 +42,13 @@ from kvhandoff.layout import Layout, MemoryKind
 from kvhandoff.memory import raw_view
 from kvhandoff.observe import timeline as tl
 from kvhandoff.protocol import LocalProtocolError
-from kvhandoff.session.agent import Agent
-from kvhandoff.session.aux import AuxSpec
 from kvhandoff.session.config import SessionConfig
 from kvhandoff.session.errors import HandshakeError
-from kvhandoff.session.receiver import Receiver
-from kvhandoff.session.sender import Sender
-from kvhandoff.session.status import Status
+from kvhandoff.session.rank.agent import Agent
+from kvhandoff.session.request.aux import AuxSpec
+from kvhandoff.session.request.receiver import Receiver
+from kvhandoff.session.request.sender import Sender
+from kvhandoff.session.request.status import Status
 from kvhandoff.transport.base import Transport
 
 log = logging.getLogger("kvhandoff.integrations.vllm")

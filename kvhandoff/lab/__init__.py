@@ -1,0 +1,8 @@
+"""The lab: what proves and shows the library, never imported by it.
+
+The command line (:mod:`.cli`), the demos, the reference engine (:mod:`.engine`), the
+model catalogue (:mod:`.shapes`), benchmarks (:mod:`.bench`), the chaos soak
+(:mod:`.soak`), the live status view, the vLLM demo rig (:mod:`.vllm`) and the test
+harness (:mod:`.testing`). Everything here imports the library; nothing in the library
+imports this package (a test walks the imports).
+"""

@@ -1,0 +1,1 @@
+"""One rank: the agent, its role's desk, its peers and groups, and the watch over them."""

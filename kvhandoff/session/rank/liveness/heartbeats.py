@@ -1,0 +1,98 @@
+"""An agent's heartbeats: the timer tick, pings and probes, and peers declared lost.
+
+On every tick of the control I/O thread (``config.tick``) the live requests run their
+timers, the prefill desk sweeps its tables, the peers those requests depend on (and the
+suspects, see :mod:`~kvhandoff.session.rank.liveness.watch`) are pinged every
+``heartbeat_interval``, and a peer silent for ``heartbeat_timeout`` is declared lost: its
+requests fail, the desk drops it, and the control channel forgets it. A peer whose
+messages cannot be delivered is lost the same way. The books are kept by
+:class:`~kvhandoff.session.rank.liveness.watch.PeerWatch`; this does the sending.
+
+Threading: :meth:`Heartbeats.probe` blocks (a worker thread, or the agent starting);
+the rest runs on the control I/O thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from kvhandoff.protocol import Heartbeat, HeartbeatAck, Message
+from kvhandoff.session.config import SessionConfig
+from kvhandoff.session.control.channel import ControlChannel, Origin
+from kvhandoff.session.rank.decode_desk import DecodeDesk
+from kvhandoff.session.rank.liveness.watch import PeerWatch
+from kvhandoff.session.rank.prefill_desk import PrefillDesk
+
+log = logging.getLogger("kvhandoff.session.rank.agent")  # the agent's voice: one logger per agent
+
+Desk = PrefillDesk | DecodeDesk
+
+
+class Heartbeats:
+    """See the module docstring. ``post`` sends a control message (unless its endpoint
+    was declared lost); :attr:`control` is set once the channel is open."""
+
+    def __init__(self, config: SessionConfig, *, name: str,
+                 post: Callable[[str, Message], None]) -> None:
+        self.watch = PeerWatch(interval=config.heartbeat_interval,
+                               timeout=config.heartbeat_timeout)
+        self.control: ControlChannel | None = None
+        self._timeout = config.heartbeat_timeout
+        self._name, self._post = name, post
+
+    def _ping(self, endpoint: str, seq: int) -> None:
+        assert self.control is not None
+        self._post(endpoint, Heartbeat(seq=seq, sender=self.control.endpoint))
+
+    def probe(self, endpoint: str, timeout: float) -> bool:
+        """Whether a control endpoint answers a Heartbeat within ``timeout`` seconds."""
+        try:
+            return self.watch.probe(lambda seq: self._ping(endpoint, seq), timeout)
+        finally:
+            assert self.control is not None
+            self.control.forget(endpoint)
+
+    def on_message(self, origin: Origin, msg: Message) -> bool:
+        """Hear from ``origin`` (whatever it says) and answer a heartbeat; False when
+        ``msg`` is not one."""
+        assert self.control is not None
+        if origin.endpoint is not None:
+            self.watch.heard(origin.endpoint, time.monotonic())
+        match msg:
+            case Heartbeat():
+                self.control.reply(origin, HeartbeatAck(seq=msg.seq,
+                                                        sender=self.control.endpoint))
+            case HeartbeatAck():
+                self.watch.acked(origin.endpoint, msg.seq)
+            case _:
+                return False
+        return True
+
+    def tick(self, now: float, desk: Desk | None) -> None:
+        live = [] if desk is None else [*desk.live()]
+        for r in live:
+            r.on_tick(now)
+        watched: set[str] = set()  # one pass (one lock each) per tick: serves both users
+        for r in live:
+            watched |= r.peer_endpoints()
+        if isinstance(desk, PrefillDesk):
+            desk.on_tick(now, watched)
+        ping, lost = self.watch.tick(watched, now)
+        for ep in ping:
+            self._ping(ep, self.watch.next_seq())
+        for ep, quiet in lost:
+            self.peer_lost(ep, f"peer {ep} silent for {quiet:.1f} s (heartbeat_timeout "
+                               f"{self._timeout:g} s)", desk)
+
+    def peer_lost(self, endpoint: str, reason: str, desk: Desk | None) -> None:
+        """Fail the requests that depend on ``endpoint``, then drop it everywhere."""
+        log.warning("agent %s: %s", self._name, reason)
+        self.watch.lost(endpoint, time.monotonic())
+        for r in [] if desk is None else desk.live():
+            r.on_peer_lost(endpoint, reason)
+        if desk is not None:
+            desk.peer_lost(endpoint, reason)
+        if self.control is not None:
+            self.control.forget(endpoint)

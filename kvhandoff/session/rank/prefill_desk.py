@@ -1,0 +1,291 @@
+"""The prefill desk: the part of a prefill agent that knows decode ranks and Senders.
+
+It registers the rank with the bootstrap server (and deregisters it on close), answers
+decode ranks' handshakes (:class:`~kvhandoff.session.peers.decode_ranks.DecodePeers`), and routes
+their ``TransferInit`` and ``Abort`` messages to this rank's
+:class:`~kvhandoff.session.request.sender.Sender` of the request. What arrives before a request
+has a Sender, and the tombstones of requests that failed here, are kept, bounded, in a
+:class:`~kvhandoff.session.rank.backlog.PrefillBacklog`; which endpoints may abort a request
+(and the rule against a second set of indices) is :mod:`~kvhandoff.session.rank.claims`.
+What the desk answers for a request itself is :mod:`~kvhandoff.session.rank.prefill_answers`:
+only a handshaken decode rank is ever dialed, anyone else is answered on the connection
+it came from.
+
+The agent hands the desk every control message it does not handle itself; the desk
+reaches the agent through the :class:`~kvhandoff.session.request.host.RankHost` its Senders
+use, plus the control channel (to answer an unnamed client).
+
+Thread-safety: the desk lock guards only its tables and is never held while calling
+into a Sender, which may call :meth:`attach`/:meth:`finished` under its own lock.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+
+from kvhandoff.bootstrap.registration import Probe, Registration, prefill_record
+from kvhandoff.protocol import (
+    Abort,
+    ErrorReply,
+    Hello,
+    Message,
+    RequestId,
+    TransferInit,
+    TransferInits,
+    TransferStatus,
+)
+from kvhandoff.session.control.channel import ControlChannel, Origin
+from kvhandoff.session.control.write_batch import WriteBatcher
+from kvhandoff.session.errors import AgentClosed
+from kvhandoff.session.peers.decode_ranks import DecodePeer, DecodePeers
+from kvhandoff.session.rank.backlog import MAX_REASON, PrefillBacklog, id_problem
+from kvhandoff.session.rank.claims import Claims, abort_from, admit
+from kvhandoff.session.rank.notices import in_band, in_band_all
+from kvhandoff.session.rank.prefill_answers import ack_abort, tell_failed, unknown_peer
+from kvhandoff.session.request.host import Backlog, RankHost, Request
+from kvhandoff.session.request.sender import Sender
+from kvhandoff.transport.throttle import Throttle
+
+log = logging.getLogger("kvhandoff.session.rank.agent")  # the agent's voice: one logger per agent
+
+_throttled = Throttle(log)
+
+
+class PrefillDesk:
+    """See the module docstring."""
+
+    def __init__(self, host: RankHost, control: ControlChannel, *, name: str) -> None:
+        self._host = host
+        self._control = control
+        self._name = name
+        self._lock = threading.Lock()
+        self._closed = False
+        self.senders: dict[RequestId, Sender] = {}
+        self.backlog = PrefillBacklog(hold=host.config.indices_timeout,
+                                      max_requests=host.config.max_pending_inits,
+                                      who=f"prefill {host.rank_id}")
+        self.claims = Claims()  # who sent each decode rank's indices, per request
+        self.not_request_peer = 0  # aborts from an endpoint not the request's peer
+        self._registration: Registration | None = None
+        self.peers = DecodePeers(layout=host.layout, transport=host.transport,
+                                 rank=host.rank_id, send=host.post)
+        self.writes = WriteBatcher(  # the Senders' writes, batched per burst (write_batch.py)
+            transport=host.transport, track=host.track, on_io_thread=control.in_io_thread,
+            notice=lambda p, sts: in_band_all(sts, to=p.endpoint, sender=control.endpoint,
+                                              transport=host.transport, accepted=p.notices))
+
+    # --- bootstrap registration ---------------------------------------------------------
+
+    def register(self, url: str, dp_rank: int, dp_size: int, probe: Probe) -> None:
+        """Register this rank at the bootstrap server ``url`` (see
+        :mod:`~kvhandoff.bootstrap.registration`)."""
+        h = self._host
+        rec = prefill_record(h.config, h.layout, dp_rank=dp_rank, dp_size=dp_size,
+                             control_endpoint=self._control.endpoint, transport=h.transport.name)
+        self._registration = Registration.make(url, rec, config=h.config, probe=probe,
+                                               what=f"prefill {h.rank_id}")
+
+    def leave(self) -> None:
+        """Deregister from the bootstrap server (once; a failure is only logged)."""
+        if self._registration is not None:
+            self._registration.leave()
+
+    # --- for Senders (any thread) ---------------------------------------------------------
+
+    def attach(self, side: Request) -> Backlog:
+        """Register a new Sender; returns the indices buffered for it (with their decode
+        peer, or why that rank was dropped since) and why it already failed, if it did.
+        Indices from a rank whose data connection closed are handed over once it is
+        re-dialed."""
+        assert isinstance(side, Sender)
+        with self._lock:
+            if self._closed:
+                raise AgentClosed(f"agent {self._name} is closed")
+            if side.request_id in self.senders:
+                raise ValueError(f"request id {side.request_id!r} is already live on this agent")
+            self.senders[side.request_id] = side
+            buffered, tomb = self.backlog.take(side.request_id)
+        ready: list[tuple[DecodePeer | str, TransferInit]] = []
+        for ep, m, _ in buffered:
+            p = self.peers.get(ep)
+            if p is None:
+                ready.append((self.peers.why_gone(ep), m))
+            elif p.transport_peer.closed:
+                self._host.spawn(functools.partial(self._redialed, p, m, deliver=True))
+            else:
+                ready.append((p, m))
+        return Backlog(ready, None if tomb is None else tomb.error())
+
+    def finished(self, side: Request) -> None:
+        """Forget a settled Sender; a failed one is remembered as a tombstone."""
+        assert isinstance(side, Sender)
+        unsafe = side.unsafe_endpoints()
+        with self._lock:
+            if self.senders.get(side.request_id) is side:
+                del self.senders[side.request_id]
+                self.claims.drop(side.request_id)
+            if side.reason is not None:
+                self.backlog.tombstone(side.request_id, side.reason, time.monotonic(), unsafe)
+
+    def notice(self, peer: DecodePeer, status: TransferStatus) -> bytes | None:
+        """``status`` as the in-band notice of its chunk's writes to ``peer``, or None
+        when it goes over the control socket (see :mod:`kvhandoff.session.rank.notices`)."""
+        return in_band(status, to=peer.endpoint, sender=self._control.endpoint,
+                       transport=self._host.transport, accepted=peer.notices)
+
+    def live(self) -> list[Sender]:
+        with self._lock:
+            return [*self.senders.values()]
+
+    # --- control messages (I/O thread) ----------------------------------------------------
+
+    def on_message(self, origin: Origin, msg: Message) -> bool:
+        """Handle a message the agent passed on; False when a prefill rank takes none such."""
+        match msg:
+            case Hello() if origin.endpoint is None:
+                self._control.reply(origin, self.peers.refuse_unnamed(msg))
+            case Hello():
+                self.peers.offer(origin.endpoint, msg)
+            case TransferInit():
+                self._on_init(origin, msg)
+            case TransferInits():  # one engine step's, packed: each as if alone
+                for m in msg.inits:
+                    self._on_init(origin, m)
+            case Abort():
+                self._on_abort(origin, msg)
+            case ErrorReply():
+                pass  # logged by the agent; no Sender waits on a decode rank's answer
+            case _:
+                return False
+        return True
+
+    def _on_init(self, origin: Origin, msg: TransferInit) -> None:
+        peer = self.peers.get(origin.endpoint)
+        if peer is None or peer.rank != msg.rank:
+            self._control.reply(origin, unknown_peer(origin, msg, peer))
+            with self._lock:
+                sender = self.senders.get(msg.request_id)
+            if sender is not None and origin.endpoint is not None:
+                sender.on_init_deferred(origin.endpoint)
+            return
+        bad = id_problem(msg.request_id)
+        if bad is not None:
+            self._control.reply(origin, ErrorReply(reason=f"TransferInit refused: {bad}"))
+            return
+        self.peers.touch(peer.endpoint)
+        rid, ep = msg.request_id, peer.endpoint
+        with self._lock:
+            sender = self.senders.get(rid)
+            got = admit(self.claims, self.backlog, msg, ep, time.monotonic(),
+                        has_sender=sender is not None)
+        if got.repeat:
+            _throttled("request %r: decode %s sent its indices again before the Sender "
+                       "started; the first set stands", rid, msg.rank)
+        if got.twice is not None and got.first is not None:
+            self._fail_two_claims(rid, got.twice, got.first, ep, sender)
+            return
+        tomb, full = got.tomb, got.refused
+        if peer.transport_peer.closed and tomb is None and full is None:
+            # its data connection broke: re-dial now; a Sender still to come gets the
+            # buffered indices with the fresh peer (or re-dials itself, see above)
+            self._host.spawn(functools.partial(self._redialed, peer, msg,
+                                               deliver=sender is not None))
+        elif sender is not None:
+            sender.on_init(peer, msg)
+        elif tomb is not None:
+            tell_failed(self._host, ep, rid, tomb.reason, ack=ep not in tomb.unsafe)
+        elif full is not None:
+            self._control.reply(origin, ErrorReply(reason=full, request_id=msg.request_id))
+
+    def _fail_two_claims(self, rid: RequestId, why: str, first: str, second: str,
+                         sender: Sender | None) -> None:
+        """Tell both endpoints of a second set of indices (without the lock): the second was
+        never written to; so was the first if no Sender had its indices yet. A live
+        Sender fails, telling its own ranks (and acks once nothing is in flight)."""
+        _throttled("prefill %s: %s", self._host.rank_id, why)
+        if sender is not None:
+            sender.on_init_refused(why)
+        for ep in ([second] if sender is not None else [first, second]):
+            tell_failed(self._host, ep, rid, why, ack=True)
+
+    def _redialed(self, peer: DecodePeer, msg: TransferInit, *, deliver: bool) -> None:
+        """Re-dial ``peer``'s broken data connection (a worker thread), then hand ``msg``
+        to its Sender (``deliver``; else it waits in the buffer for one); if the rank
+        cannot be reached, the request fails, naming why."""
+        got = self.peers.redial(peer)
+        with self._lock:
+            sender = self.senders.get(msg.request_id)
+            if not deliver:
+                if isinstance(got, str) and sender is None:
+                    self.backlog.fail(msg.request_id, got, time.monotonic(), lost=True)
+                return  # else the Sender's own attach re-dials (or finds the fresh peer)
+        if sender is None:
+            return
+        if isinstance(got, str):
+            sender.on_init_refused(f"request {msg.request_id!r}: {got}")
+        else:
+            sender.on_init(got, msg)
+
+    def _on_abort(self, origin: Origin, msg: Abort) -> None:
+        bad = id_problem(msg.request_id)
+        if bad is not None:
+            _throttled("agent %s: ignored an Abort from %s: %s", self._name, origin, bad)
+            self._control.reply(origin, ErrorReply(reason=f"Abort refused: {bad}"))
+            return
+        reason = msg.reason[:MAX_REASON]
+        rid, ep = msg.request_id, origin.endpoint
+        with self._lock:
+            s = self.senders.get(rid)
+            tomb, ours = abort_from(self.claims, self.backlog, rid, ep,
+                                    f"aborted by decode {msg.rank}: {reason}",
+                                    time.monotonic(), has_sender=s is not None)
+        if s is not None and not ours:
+            ours = ep is not None and ep in s.peer_endpoints()  # asked to handshake again
+        if not ours and tomb is None:
+            with self._lock:
+                self.not_request_peer += 1
+            _throttled("agent %s: ignored an Abort of request %r from %s: not one of its "
+                       "decode ranks", self._name, rid, origin)
+        if s is not None and ours:
+            s.on_abort(origin.endpoint, str(msg.rank), reason)
+        elif tomb is not None and ep in tomb.unsafe:
+            log.info("request %r: decode %s aborted; a cancelled write to it may still land, "
+                     "so no AbortAck (it waits out its release_timeout)", rid, msg.rank)
+        else:  # nothing of ours in flight to it: no Sender, its writes are over, or not a peer
+            ack_abort(self._host, self._control, self.peers, origin, rid)
+
+    # --- timers, lost peers, closing --------------------------------------------------------
+
+    def on_tick(self, now: float, in_use: set[str]) -> None:
+        """Forget expired tombstones and indices no Sender came for, and drop decode ranks
+        idle for ``PEER_IDLE_S`` (I/O thread). ``in_use``: the live Senders' peer endpoints,
+        which the agent gathered for its heartbeats (so a tick takes each Sender's lock once)."""
+        with self._lock:
+            self.backlog.expire(now)
+            self.claims.keep_only(self.senders, self.backlog.inits)
+            busy = self.backlog.endpoints()
+        for ep in self.peers.idle(now, busy | in_use):
+            self._host.spawn(functools.partial(self.peers.drop_idle, ep))
+
+    def peer_lost(self, endpoint: str, reason: str) -> None:
+        """Drop the decode rank at ``endpoint`` (after its requests heard of it)."""
+        self.peers.drop(endpoint, reason=reason)
+
+    def close_requests(self) -> list[Request]:
+        """Take no more Senders; returns the live ones (to fail)."""
+        with self._lock:
+            self._closed = True
+            return [*self.senders.values()]
+
+    def close(self) -> None:
+        """Refuse unsent writes, close the decode peers' connections, forget requests."""
+        self.writes.close()
+        self.peers.close()
+        with self._lock:
+            self.senders.clear()
+            self.backlog.clear_inits()
+            self.claims.clear()
+

@@ -1,0 +1,1 @@
+"""Adapters for external transfer engines (Mooncake, NIXL) and what they share."""

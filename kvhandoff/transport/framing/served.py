@@ -1,0 +1,499 @@
+"""What the socket-served transports (tcp, shm, and the engines' staging channel) share.
+
+* :class:`ThreadedServer`: one thread accepts on a listening socket, one thread serves
+  each connection; nothing that arrives on the wire can raise out of a serving thread
+  (it is logged and the connection dropped); ``close`` wakes and joins every thread.
+  Every connection opens with the mutual challenge–response of
+  :mod:`~kvhandoff.transport.framing.handshake` before :meth:`ThreadedServer.serve` sees it.
+  Strangers cannot stop the accept loop or hold the port: see the class docstring.
+* :func:`prove`: the client's side of that handshake, on a freshly dialled socket.
+* :class:`WorkerPeer`: a peer whose transfers are carried by worker threads. It tracks
+  the pending transfers, turns whatever ends a worker into one error for all of them
+  (``PeerLost`` for the wire, ``TransportClosed`` for ``close``), and joins its threads.
+* :class:`ServedTransport`: a transport whose peers are ``WorkerPeer``s and whose
+  receiving side is a ``ThreadedServer``: peer bookkeeping, ``submit`` and ``close``.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import errno
+import logging
+import socket
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable
+from typing import Any, ClassVar, Protocol, TypeVar
+
+from kvhandoff.plan.model import Plan
+from kvhandoff.transport.base import Handle, Peer, Transport
+from kvhandoff.transport.errors import (
+    ConnectError,
+    PeerLost,
+    ProtocolError,
+    TransferFailed,
+    TransportClosed,
+    TransportError,
+)
+from kvhandoff.transport.framing.handshake import (
+    CLIENT_FRAME,
+    SERVER_FRAME,
+    ClientHandshake,
+    HandshakeFailed,
+    Refusal,
+    ServerHandshake,
+    refusal,
+)
+from kvhandoff.transport.framing.io import recv_exact, recv_header
+from kvhandoff.transport.framing.wire import HEADER, Header, Kind
+from kvhandoff.transport.throttle import Throttle
+
+log = logging.getLogger("kvhandoff.transport")
+
+P = TypeVar("P", bound="WorkerPeer")
+R = TypeVar("R", bound="InFlight")
+
+JOIN_S = 5.0
+"""How long ``close`` waits for each worker thread (they exit once their socket is shut)."""
+
+MAX_UNPROVEN = 256
+"""Connections a server holds that have not passed the handshake yet, in all."""
+MAX_UNPROVEN_PER_HOST = 64
+"""... and from one source address."""
+MAX_PER_HOST = 32
+"""The default cap on connections a server holds from one source address, proven or
+not (the transports' ``max_connections_per_host`` option). A sending rank holds a few
+(tcp: ``connections``, 2 by default; staging and shm: one), so this leaves room for a
+host full of prefill ranks and their reconnections."""
+HELLO_DEADLINE_S = 10.0
+"""An unproven connection is cut this long after it was accepted; its handshake reads
+give up at the same deadline."""
+_REAP_S = 1.0  # how often the accept loop looks for overdue unproven connections
+_BACKOFF_S = (0.01, 1.0)  # retrying a failed accept: first wait, and cap
+_DEAD_LISTENER = frozenset({errno.EBADF, errno.EINVAL, errno.ENOTSOCK})
+_accept_failed = Throttle(log)
+_refused = Throttle(log)
+_unauthenticated = Throttle(log)
+_malformed = Throttle(log)
+
+
+class ThreadedServer(abc.ABC):
+    """Accepts on ``listener`` (already bound and listening) and calls :meth:`serve` for
+    each connection in its own daemon thread. ``close`` is thread-safe and idempotent.
+
+    Authentication: the serving thread runs the server's side of the handshake
+    (:mod:`~kvhandoff.transport.framing.handshake`, keyed with ``key``, naming
+    ``endpoint_id``) first: it sends a fixed-size CHALLENGE, reads exactly one fixed-size
+    ANSWER within ``HELLO_DEADLINE_S`` of the accept, and only a connection that proved
+    the key reaches :meth:`serve`; a wrong proof gets a REFUSED frame and the close
+    (logged, rate-limited). Nothing is allocated for a connection before that.
+
+    Hostile clients cannot take the port down or hold it: a failed ``accept`` (out of
+    file descriptors, say) is logged (rate-limited) and retried with backoff, never the
+    end of the loop; a connection stays *unproven* until its handshake succeeded, and
+    unproven connections are capped (``MAX_UNPROVEN`` in all, ``MAX_UNPROVEN_PER_HOST``
+    per source address) and cut after ``HELLO_DEADLINE_S`` seconds, however slowly they
+    trickle bytes; all connections from one address are capped at ``max_per_host``. A
+    connection over a cap gets a REFUSED (busy) frame and is closed at once; the reason
+    is logged, rate-limited."""
+
+    def __init__(self, listener: socket.socket, name: str, *, key: bytes, endpoint_id: str,
+                 max_per_host: int = MAX_PER_HOST) -> None:
+        try:
+            ServerHandshake.new(key, endpoint_id)  # a bad id is ours, not a client's fault
+            problem = "" if max_per_host >= 1 else (
+                f"max_connections_per_host must be >= 1, got {max_per_host}")
+        except HandshakeFailed as e:
+            problem = str(e)
+        if problem:
+            listener.close()
+            raise ValueError(f"{name} server: {problem}")
+        self.name = name
+        self._key, self.endpoint_id = key, endpoint_id
+        self.max_per_host = max_per_host
+        self._lock = threading.Lock()
+        self._closing = False
+        self._wake = threading.Event()
+        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._hosts: dict[socket.socket, str] = {}
+        self._unproven: dict[socket.socket, float] = {}  # → when accepted (monotonic)
+        self._listener = listener
+        listener.settimeout(_REAP_S)  # accept wakes up to cut overdue unproven connections
+        self._accepter = threading.Thread(target=self._accept_loop, daemon=True,
+                                          name=f"kvh-{name}-accept")
+        self._accepter.start()
+
+    @abc.abstractmethod
+    def serve(self, conn: socket.socket) -> None:
+        """Serve one connection, which passed the handshake, until it ends (return or
+        raise; the socket is closed afterwards). ``OSError``/``EOFError`` end it quietly,
+        ``ProtocolError`` with a warning, anything else with a logged traceback."""
+
+    def _authenticate(self, conn: socket.socket) -> None:
+        """The server's side of the handshake; ``ProtocolError`` if the client fails it
+        (it was sent a REFUSED frame). Reads exactly one ANSWER frame, by the deadline."""
+        with self._lock:
+            accepted = self._unproven.get(conn)
+        deadline = (time.monotonic() if accepted is None else accepted) + HELLO_DEADLINE_S
+        hs = ServerHandshake.new(self._key, self.endpoint_id)
+        conn.settimeout(max(0.01, deadline - time.monotonic()))
+        conn.sendall(hs.challenge())
+        try:
+            answer = recv_fixed(conn, CLIENT_FRAME, deadline)
+        except TimeoutError as e:  # a trickle or a silent client: refused like a bad proof
+            raise _Unauthenticated(str(e)) from None
+        try:
+            verdict = hs.verdict(answer)
+        except HandshakeFailed as e:
+            with contextlib.suppress(OSError):
+                conn.sendall(refusal(Refusal.BAD_PROOF, self.endpoint_id))
+            raise _Unauthenticated(str(e)) from None
+        conn.sendall(verdict)
+        with self._lock:
+            self._unproven.pop(conn, None)  # no longer subject to the unproven caps
+
+    def _accept_loop(self) -> None:
+        backoff = _BACKOFF_S[0]
+        while not self._closing:
+            try:
+                conn, addr = self._listener.accept()
+            except TimeoutError:
+                self._reap(time.monotonic())
+                continue
+            except OSError as e:
+                if self._closing or e.errno in _DEAD_LISTENER:
+                    return  # listener shut down by close()
+                _accept_failed("%s server: accept failed (%s); retrying in %.2f s, still "
+                               "listening", self.name, e, backoff)
+                self._wake.wait(backoff)
+                backoff = min(backoff * 2, _BACKOFF_S[1])
+                continue
+            backoff = _BACKOFF_S[0]
+            self._admit(conn, addr[0] if isinstance(addr, tuple) and addr else "local")
+            self._reap(time.monotonic())
+
+    def _admit(self, conn: socket.socket, host: str) -> None:
+        """Start serving ``conn`` from ``host``, or close it if it is over a cap."""
+        with self._lock:
+            over = self._over_cap(host)
+            if self._closing or over:
+                if over:  # logged before the client can learn it was refused
+                    _refused("%s server: refused a connection from %s: %s", self.name, host,
+                             over)
+                    _send_now(conn, refusal(Refusal.BUSY, self.endpoint_id))
+                conn.close()
+                return
+            t = threading.Thread(target=self._serve, args=(conn,), daemon=True,
+                                 name=f"kvh-{self.name}-serve")
+            self._conns[conn] = t
+            self._hosts[conn] = host
+            self._unproven[conn] = time.monotonic()
+        t.start()
+
+    def _over_cap(self, host: str) -> str | None:
+        """Which cap a new connection from ``host`` would break (caller holds the lock)."""
+        if len(self._unproven) >= MAX_UNPROVEN:
+            return f"{MAX_UNPROVEN} connections have not shown the token yet"
+        here = [c for c, h in self._hosts.items() if h == host]
+        if len(here) >= self.max_per_host:
+            return (f"it holds {self.max_per_host} connections already "
+                    f"(max_connections_per_host)")
+        if sum(c in self._unproven for c in here) >= MAX_UNPROVEN_PER_HOST:
+            return f"{MAX_UNPROVEN_PER_HOST} of its connections have not shown the token yet"
+        return None
+
+    def _reap(self, now: float) -> None:
+        """Cut unproven connections older than ``HELLO_DEADLINE_S`` (their serving
+        threads wake, see the socket shut and end)."""
+        with self._lock:
+            late = [c for c, t0 in self._unproven.items() if now - t0 > HELLO_DEADLINE_S]
+            for c in late:
+                del self._unproven[c]
+        for c in late:
+            _refused("%s server: cut a connection that did not pass the handshake within "
+                     "%g s", self.name, HELLO_DEADLINE_S)
+            shut(c)
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            self._authenticate(conn)
+            self.serve(conn)
+        except _Unauthenticated as e:  # strangers can do this at will: rate-limited
+            _unauthenticated("%s server: refused a connection that failed the data-plane "
+                             "handshake: %s", self.name, e)
+        except (OSError, EOFError) as e:
+            log.debug("%s server: connection ended: %s", self.name, e)
+        except ProtocolError as e:  # strangers can send these at will: rate-limited
+            _malformed("%s server: dropping connection after a malformed frame: %s",
+                       self.name, e)
+        except Exception:  # never let a serving thread die silently
+            log.exception("%s server: internal error; connection dropped", self.name)
+        finally:
+            with self._lock:
+                self._conns.pop(conn, None)
+                self._hosts.pop(conn, None)
+                self._unproven.pop(conn, None)
+            conn.close()
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            conns = dict(self._conns)
+        self._wake.set()
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes accept() on Linux
+        self._listener.close()
+        for c in conns:
+            with contextlib.suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)  # wakes recv() in the serving thread
+        self._accepter.join(JOIN_S)
+        for t in conns.values():
+            t.join(JOIN_S)
+
+
+class _Unauthenticated(ProtocolError):
+    """A client failed the handshake (it was refused; the message says why)."""
+
+
+def recv_fixed(sock: socket.socket, n: int, deadline: float) -> bytes:
+    """Exactly ``n`` bytes from ``sock``, all by ``deadline`` (monotonic), however slowly
+    they trickle: ``TimeoutError`` past it, ``EOFError`` if the peer closed first. Reads
+    nothing beyond the ``n`` bytes (it changes the socket's timeout)."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    while len(view):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"handshake frame incomplete ({n - len(view)} of {n} B) "
+                               f"at its deadline")
+        sock.settimeout(left)
+        got = sock.recv_into(view)
+        if got == 0:
+            raise EOFError(f"peer closed the connection during the handshake ({n - len(view)} "
+                           f"of {n} B)")
+        view = view[got:]
+    return bytes(buf)
+
+
+def prove(sock: socket.socket, *, key: bytes, endpoint_id: str, timeout: float,
+          peer: str) -> None:
+    """The client's side of the handshake on a freshly connected ``sock``: answer the
+    server's challenge, then check its proof, all within ``timeout`` seconds. Returns
+    once the server proved the key: only then may anything be sent. ``ConnectError``
+    (naming ``peer``) if it refused us or did not prove the key; ``OSError`` /
+    ``EOFError`` from the socket propagate (the caller closes it)."""
+    deadline = time.monotonic() + timeout
+    hs = ClientHandshake.new(key, endpoint_id, peer=peer)
+    try:
+        challenge = recv_fixed(sock, SERVER_FRAME, deadline)
+        sock.sendall(hs.answer(challenge))
+        hs.check_verdict(challenge, recv_fixed(sock, SERVER_FRAME, deadline))
+    except HandshakeFailed as e:
+        raise ConnectError(f"data-plane handshake failed: {e}") from None
+
+
+def _send_now(sock: socket.socket, data: bytes) -> None:
+    """Send ``data`` if the socket takes it at once (a fresh socket does); never block."""
+    with contextlib.suppress(OSError):
+        sock.setblocking(False)
+        sock.send(data)
+
+
+class Tracked(Protocol):
+    """Anything a :class:`WorkerPeer` tracks: one submit and its handle."""
+
+    handle: Handle
+
+
+class InFlight(Protocol):
+    """A request awaiting its reply, as :meth:`WorkerPeer._read_replies` reads it."""
+
+    @property
+    def seq(self) -> int:
+        """The frame number its reply echoes."""
+
+    @property
+    def sent_at(self) -> float | None:
+        """When it went out (monotonic); None while it has not."""
+
+
+class WorkerPeer(Peer):
+    """A peer whose transfers run on worker threads (``self._threads``, started by the
+    subclass). Thread-safe.
+
+    ``_fail(error)`` is the one way a peer becomes unusable: it fails every tracked
+    transfer with ``error`` and calls :meth:`_wake` so the workers notice and exit.
+    ``close`` fails them with ``TransportClosed``, joins the workers (bounded), then
+    calls :meth:`_release` (close sockets, drop mappings)."""
+
+    def __init__(self, endpoint: bytes, name: str) -> None:
+        super().__init__(endpoint, name)
+        self._lock = threading.Lock()
+        self._error: TransportError | None = None  # set once: lost or closed
+        self._pending: set[Tracked] = set()
+        self._threads: list[threading.Thread] = []
+
+    @abc.abstractmethod
+    def submit(self, plan: Plan) -> Handle:
+        """Queue ``plan`` (validated by the transport); returns its handle at once."""
+
+    @abc.abstractmethod
+    def _wake(self) -> None:
+        """Make every worker notice ``self._error`` (shut sockets down, post sentinels)."""
+
+    def _release(self) -> None:
+        """Free what the workers used, once they have exited (or were given up on)."""
+
+    def _track(self, item: Tracked) -> bool:
+        """Start tracking a new transfer. Raises ``TransportClosed`` if the peer was
+        closed by its owner; fails the handle (and returns False) if it was lost."""
+        with self._lock:
+            if isinstance(self._error, TransportClosed):
+                raise TransportClosed(f"peer {self.name} is closed")
+            if self._error is not None:
+                item.handle.set_failed(self._error)
+                return False
+            self._pending.add(item)
+        return True
+
+    def _forget(self, item: Tracked) -> None:
+        with self._lock:
+            self._pending.discard(item)
+
+    def _read_replies(self, sock: socket.socket, inflight: deque[R], io_timeout: float,
+                      on_reply: Callable[[R, Header, str], None]) -> None:
+        """A reader thread's loop, until the peer fails: every REPLY on ``sock`` answers
+        the oldest request in ``inflight`` (the sender appends, only this loop pops),
+        which is popped and handed to ``on_reply(request, header, message)``.
+        ``ProtocolError`` for a reply to any other frame; ``PeerLost`` when the oldest
+        request waits more than ``io_timeout`` (see :func:`recv_reply`)."""
+        buf = bytearray(HEADER.size)
+
+        def oldest() -> float | None:
+            return inflight[0].sent_at if inflight else None
+
+        while self._error is None:
+            got = recv_reply(sock, buf, self.name, oldest, io_timeout)
+            if got is None:
+                continue
+            h, message = got
+            if not inflight or inflight[0].seq != h.seq:
+                raise ProtocolError(f"{self.name} replied to frame {h.seq}, which is not the "
+                                    f"oldest in flight")
+            on_reply(inflight.popleft(), h, message)
+
+    def _guard(self, loop: Callable[..., None], *args: Any) -> None:
+        """Run a worker loop; turn whatever ends it into a lost peer (never raise)."""
+        try:
+            loop(*args)
+        except (OSError, EOFError) as e:
+            self._fail(PeerLost(f"lost {self.name}: {type(e).__name__}: {e}"))
+        except TransportError as e:
+            self._fail(e)
+        except Exception as e:
+            log.exception("peer %s: internal error in a worker thread", self.name)
+            self._fail(TransferFailed(f"internal error talking to {self.name}: {e!r}"))
+
+    def _fail(self, error: TransportError) -> None:
+        with self._lock:
+            if self._error is not None:
+                return
+            self._error = error
+            pending = list(self._pending)
+            self._pending.clear()
+        for item in pending:
+            item.handle.set_failed(error)
+        self._wake()
+
+    @property
+    def closed(self) -> bool:
+        return self._error is not None
+
+    @property
+    def error(self) -> TransportError | None:
+        """Why the peer is unusable (lost or closed); None while it works."""
+        return self._error
+
+    def close(self) -> None:
+        self._fail(TransportClosed(f"peer {self.name} was closed"))
+        me = threading.current_thread()
+        for t in self._threads:
+            if t is not me:
+                t.join(JOIN_S)
+        self._release()
+
+
+MAX_REPLY = 1 << 16
+
+
+def recv_reply(sock: socket.socket, buf: bytearray, name: str,
+               oldest_sent: Callable[[], float | None], io_timeout: float
+               ) -> tuple[Header, str] | None:
+    """Read one REPLY frame: ``(header, message)``. None if the socket stayed idle for
+    its timeout, unless the oldest request awaiting a reply (sent at
+    ``oldest_sent()``, monotonic) is overdue by ``io_timeout``: then ``PeerLost``.
+    ``ProtocolError`` for anything but a REPLY without payload and a short message."""
+    if not recv_header(sock, memoryview(buf), idle_ok=True):
+        sent = oldest_sent()
+        if sent is not None and time.monotonic() - sent > io_timeout:
+            raise PeerLost(f"{name} sent no reply within {io_timeout}s")
+        return None
+    h = Header.unpack(buf)
+    if h.kind is not Kind.REPLY or h.desc_len > MAX_REPLY or h.payload_len:
+        raise ProtocolError(f"{name} sent an unexpected {h.kind.name} frame")
+    body = bytearray(h.desc_len)
+    recv_exact(sock, memoryview(body))
+    return h, body.decode(errors="replace")
+
+
+def shut(sock: socket.socket) -> None:
+    """Shut a socket down both ways (wakes a thread blocked on it); errors ignored."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+
+
+class ServedTransport(Transport):
+    """A transport whose peers are :class:`WorkerPeer`\\ s and whose receiving side is a
+    :class:`ThreadedServer` started by the subclass's ``endpoint()`` (under
+    ``self._lock``, into ``self._server``). Peers are closed with the transport."""
+
+    peer_type: ClassVar[type[WorkerPeer]]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+        self._server: ThreadedServer | None = None
+        self._peers: weakref.WeakSet[WorkerPeer] = weakref.WeakSet()
+
+    def _adopt(self, peer: P) -> P:
+        """Track a freshly connected peer (closed at once if the transport closed
+        meanwhile)."""
+        with self._lock:
+            if self.closed:
+                peer.close()
+                self._check_open()
+            self._peers.add(peer)
+        return peer
+
+    def submit(self, peer: Peer, plan: Plan, *, notice: bytes | None = None) -> Handle:
+        worker = self._admit(peer, notice, self.peer_type)
+        self.check_sources(plan)
+        return worker.submit(plan)
+
+    def _close(self) -> None:
+        with self._lock:
+            server, self._server = self._server, None
+            peers = list(self._peers)
+        for p in peers:
+            p.close()
+        if server is not None:
+            server.close()

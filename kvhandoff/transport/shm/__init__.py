@@ -1,0 +1,1 @@
+"""The same-host shm transport: the sender copies into the receiver's shared memory."""

@@ -1,0 +1,1 @@
+"""The built-in tcp transport: RDMA-write semantics over plain sockets."""
