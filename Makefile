@@ -116,10 +116,10 @@ demo: $(STAMP)
 
 # Every causal-LM family transformers ships, as a tiny model: handed off in process (TP 2→1,
 # 1→2), refused at start-up, or not buildable here. Prints the table, keeps it as JSON and
-# regenerates the README's model list (tests/e2e/test_family_sweep.py checks it is current).
+# regenerates the list in docs/models.md (tests/e2e/test_family_sweep.py checks it is current).
 SWEEP_JSON ?= family-sweep.json
 sweep: $(STAMP)
-	$(BIN)/kvhandoff sweep --json $(SWEEP_JSON) --readme README.md
+	$(BIN)/kvhandoff sweep --json $(SWEEP_JSON) --page docs/models.md
 
 # KvhandoffConnector and vLLM's NixlConnector in real vLLM servers (.venv-vllm), one table.
 demo-vllm: $(STAMP) $(VLLM_STAMP)
