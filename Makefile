@@ -8,7 +8,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvhandoff-installed
 
-.PHONY: demo test lint typecheck unit gpu-check bench-planner bench-session bench-transport bench-vllm venv system-deps engines clean \
+.PHONY: demo docs test lint typecheck unit gpu-check bench-planner bench-session bench-transport bench-vllm venv system-deps engines clean \
 	vllm-venv demo-vllm sweep soak test-stress test-stress-faults
 
 venv: $(STAMP)
@@ -54,7 +54,7 @@ $(STAMP): pyproject.toml $(MOONCAKE_MARK)
 	  echo "$(BIN)/python -m pip uninstall -y $$drop(switching to $(MOONCAKE_DIST))"; \
 	  $(BIN)/python -m pip uninstall -q -y $$drop; \
 	fi
-	$(BIN)/python -m pip install -q -e '.[dev,$(MOONCAKE_EXTRA),engine]'
+	$(BIN)/python -m pip install -q -e '.[dev,docs,$(MOONCAKE_EXTRA),engine]'
 	$(BIN)/python -m pip install -q --no-deps 'nixl-cu12>=1.5,<2'
 	@touch $@
 
@@ -125,6 +125,11 @@ sweep: $(STAMP)
 demo-vllm: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/kvhandoff demo-vllm
 
+# The user's pages (docs/) as a site in site/, strict: a broken link or anchor is an error.
+# make test checks the same build, the README's snippets and its quotes (tests/unit/test_docs.py).
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict --site-dir site
+
 test: lint typecheck unit
 
 lint: $(STAMP)
@@ -180,4 +185,4 @@ system-deps:
 	KVHANDOFF_MOONCAKE_WHEEL=$(MOONCAKE_WHEEL) scripts/system-deps.sh
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache site
