@@ -155,7 +155,7 @@ test-stress-faults: $(STAMP)
 	KVHANDOFF_SOAK_SECONDS=30 $(BIN)/python -m kvhandoff.lab.testing.hogs --runs 1 -- \
 	  $(BIN)/python -m pytest -q -p no:cacheprovider tests/faults
 
-# The chaos soak (README "Soak"): SOAK_MINUTES=60 for an hour.
+# The chaos soak (docs/proof.md, "The chaos soak"): SOAK_MINUTES=60 for an hour.
 SOAK_MINUTES ?= 3
 soak: $(STAMP)
 	$(BIN)/kvhandoff soak --minutes $(SOAK_MINUTES) --json soak.json
