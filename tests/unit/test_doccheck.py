@@ -126,3 +126,9 @@ def test_concatenated_strings_are_one_line_each_variant() -> None:
     assert any(t.matches("[met] 5 handoffs/s") for t in found)
     assert any(t.matches("[NOT met] 5 handoffs/s") for t in found)
     assert not any(t.matches("[done] 5 handoffs/s") for t in found)
+
+
+def test_a_source_that_does_not_parse_is_named(tmp_path: Path) -> None:
+    _write(tmp_path, {"bench.py": "print(f'{x'\n", "page.md": _quote("x = 1")})
+    (problem,) = quotes.check_page(tmp_path, tmp_path / "page.md")
+    assert "cannot parse bench.py" in problem.message

@@ -231,7 +231,8 @@ def check_quote(fence: Fence, found: Sequence[Template], page: str) -> list[Prob
         strong = strong or any(t.strong for t in hits)
     if not strong and not problems:
         problems.append(Problem(page, fence.line, "no line of this quote is identified by a "
-                                                  "label or header the program prints"))
+                                                  "label or header the program prints (its "
+                                                  "lines have only the shape of table rows)"))
     return problems
 
 
@@ -253,7 +254,10 @@ def check_page(root: Path, page: Path) -> list[Problem]:
             if not (root / src).is_file():
                 problems.append(Problem(name, f.line - 1, f"{MARKER}: no such file {src}"))
                 continue
-            found += templates((root / src).read_text())
+            try:
+                found += templates((root / src).read_text())
+            except SyntaxError as e:
+                problems.append(Problem(name, f.line - 1, f"{MARKER}: cannot parse {src}: {e}"))
         if found:
             problems += check_quote(f, found, name)
     return problems
