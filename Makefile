@@ -8,7 +8,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvhandoff-installed
 
-.PHONY: demo test lint typecheck unit gpu-check bench-planner bench-session bench-transport bench-vllm venv system-deps engines clean \
+.PHONY: demo docs test lint typecheck unit gpu-check bench-planner bench-session bench-transport bench-vllm venv system-deps engines clean \
 	vllm-venv demo-vllm sweep soak test-stress test-stress-faults
 
 venv: $(STAMP)
@@ -54,7 +54,7 @@ $(STAMP): pyproject.toml $(MOONCAKE_MARK)
 	  echo "$(BIN)/python -m pip uninstall -y $$drop(switching to $(MOONCAKE_DIST))"; \
 	  $(BIN)/python -m pip uninstall -q -y $$drop; \
 	fi
-	$(BIN)/python -m pip install -q -e '.[dev,$(MOONCAKE_EXTRA),engine]'
+	$(BIN)/python -m pip install -q -e '.[dev,docs,$(MOONCAKE_EXTRA),engine]'
 	$(BIN)/python -m pip install -q --no-deps 'nixl-cu12>=1.5,<2'
 	@touch $@
 
@@ -116,14 +116,19 @@ demo: $(STAMP)
 
 # Every causal-LM family transformers ships, as a tiny model: handed off in process (TP 2→1,
 # 1→2), refused at start-up, or not buildable here. Prints the table, keeps it as JSON and
-# regenerates the README's model list (tests/e2e/test_family_sweep.py checks it is current).
+# regenerates the list in docs/models.md (tests/e2e/test_family_sweep.py checks it is current).
 SWEEP_JSON ?= family-sweep.json
 sweep: $(STAMP)
-	$(BIN)/kvhandoff sweep --json $(SWEEP_JSON) --readme README.md
+	$(BIN)/kvhandoff sweep --json $(SWEEP_JSON) --page docs/models.md
 
 # KvhandoffConnector and vLLM's NixlConnector in real vLLM servers (.venv-vllm), one table.
 demo-vllm: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/kvhandoff demo-vllm
+
+# The user's pages (docs/) as a site in site/, strict: a broken link or anchor is an error.
+# make test checks the same build, the README's snippets and its quotes (tests/unit/test_docs.py).
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict --site-dir site
 
 test: lint typecheck unit
 
@@ -150,7 +155,7 @@ test-stress-faults: $(STAMP)
 	KVHANDOFF_SOAK_SECONDS=30 $(BIN)/python -m kvhandoff.lab.testing.hogs --runs 1 -- \
 	  $(BIN)/python -m pytest -q -p no:cacheprovider tests/faults
 
-# The chaos soak (README "Soak"): SOAK_MINUTES=60 for an hour.
+# The chaos soak (docs/proof.md, "The chaos soak"): SOAK_MINUTES=60 for an hour.
 SOAK_MINUTES ?= 3
 soak: $(STAMP)
 	$(BIN)/kvhandoff soak --minutes $(SOAK_MINUTES) --json soak.json
@@ -180,4 +185,4 @@ system-deps:
 	KVHANDOFF_MOONCAKE_WHEEL=$(MOONCAKE_WHEEL) scripts/system-deps.sh
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache site

@@ -106,15 +106,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="For every causal-LM model type of the installed transformers, build a "
                     "tiny random-weight model and hand it off in process (TP 2→1 and 1→2), "
                     "or record why it is refused at start-up or cannot be built here; print "
-                    "the table and optionally regenerate the README's model list.")
+                    "the table and optionally regenerate the models page's list.")
     sweep.add_argument("--family", action="append", metavar="TYPE",
                        help="sweep only this model type (repeat for several; default: every "
                             "causal-LM model type of the installed transformers)")
     sweep.add_argument("--json", metavar="PATH", help="write the table as JSON")
     sweep.add_argument("--from-json", metavar="PATH",
                        help="do not run: reload a table written by --json")
-    sweep.add_argument("--readme", metavar="PATH",
-                       help="replace the generated model list in this README with the table")
+    sweep.add_argument("--page", metavar="PATH",
+                       help="replace the generated model list in this Markdown page (between "
+                            "its family-sweep markers) with the table, e.g. docs/models.md")
 
     from kvhandoff.lab.vllm.demo import add_arguments as add_demo_vllm_arguments
 

@@ -1,8 +1,8 @@
 """The family sweep (issue 12): every causal-LM model type of the installed transformers,
 as a tiny random-weight model, hands off token-exact through the in-process engine (TP
 2→1 and 1→2), or is refused at start-up with a message naming the cause, or cannot be
-built / run by transformers itself here. None fails after start-up, and the README's
-model list is this table (``make sweep`` regenerates it)."""
+built / run by transformers itself here. None fails after start-up, and the model list
+of ``docs/models.md`` is this table (``make sweep`` regenerates it)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from kvhandoff.lab.engine.sweep_report import (  # noqa: E402
 )
 
 torch.set_num_threads(1)
-README = Path(__file__).resolve().parents[2] / "README.md"
+MODELS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "models.md"
 FAMILIES = families()
 
 
@@ -87,29 +87,29 @@ def test_a_failure_after_start_up_is_a_failure(monkeypatch: pytest.MonkeyPatch) 
     assert r.reason == "TP 2→1: after start-up: RuntimeError: lost a page"
 
 
-def test_readme_model_list_is_the_sweeps_table() -> None:
+def test_models_page_is_the_sweeps_table() -> None:
     block = render_markdown([row(f) for f in FAMILIES])
-    text = README.read_text()
-    assert current_block(text) == block, "the README's model list is stale: run `make sweep`"
+    text = MODELS_PAGE.read_text()
+    assert current_block(text) == block, "docs/models.md's model list is stale: run `make sweep`"
     assert splice(text, block) == text
 
 
-def test_sweep_command_writes_the_table_and_the_readme(tmp_path: Path,
-                                                       capsys: pytest.CaptureFixture[str]
-                                                       ) -> None:
-    """``kvhandoff sweep``: prints the table, saves it, regenerates the README block from
+def test_sweep_command_writes_the_table_and_the_page(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]
+                                                     ) -> None:
+    """``kvhandoff sweep``: prints the table, saves it, regenerates the page's block from
     a run or from the saved table."""
-    readme = tmp_path / "README.md"
-    readme.write_text(f"# models\n{BEGIN}\nstale\n{END}\nrest\n")
+    page = tmp_path / "models.md"
+    page.write_text(f"# models\n{BEGIN}\nstale\n{END}\nrest\n")
     out = tmp_path / "sweep.json"
     args = ["sweep", "--family", "llama", "--family", "rwkv"]
-    assert cli.main([*args, "--json", str(out), "--readme", str(readme)]) == 0
+    assert cli.main([*args, "--json", str(out), "--page", str(page)]) == 0
     assert "2 families: 1 token-exact, 1 refused" in capsys.readouterr().out
     rows = load(out)
     assert [(r.family, r.result) for r in rows] == [("llama", Result.HANDOFF),
                                                     ("rwkv", Result.REFUSED)]
-    assert current_block(readme.read_text()) == render_markdown(rows)
-    readme.write_text(f"# models\n{BEGIN}\nstale\n{END}\nrest\n")
-    assert cli.main(["sweep", "--from-json", str(out), "--readme", str(readme)]) == 0
-    assert readme.read_text().endswith(f"{END}\nrest\n")
-    assert current_block(readme.read_text()) == render_markdown(rows)
+    assert current_block(page.read_text()) == render_markdown(rows)
+    page.write_text(f"# models\n{BEGIN}\nstale\n{END}\nrest\n")
+    assert cli.main(["sweep", "--from-json", str(out), "--page", str(page)]) == 0
+    assert page.read_text().endswith(f"{END}\nrest\n")
+    assert current_block(page.read_text()) == render_markdown(rows)

@@ -1,5 +1,5 @@
 """``kvhandoff sweep``: run the family sweep (or reload a saved one), print the table,
-save it, and regenerate the README's model list from it (flags: ``kvhandoff.lab.cli``)."""
+save it, and regenerate the models page's list from it (flags: ``kvhandoff.lab.cli``)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def run_main(args: argparse.Namespace) -> int:
     print(render_text(rows))
     if args.json:
         save(rows, args.json)
-    if args.readme:
-        path = Path(args.readme)
+    if args.page:
+        path = Path(args.page)
         path.write_text(splice(path.read_text(), render_markdown(rows)))
     return 1 if any(r.result is Result.FAILED for r in rows) else 0

@@ -1,8 +1,8 @@
-"""The family sweep's table: printed, saved as JSON, and spliced into the README.
+"""The family sweep's table: printed, saved as JSON, and spliced into the models page.
 
-Rows in, text out. The README's generated model list sits between
+Rows in, text out. The generated model list of ``docs/models.md`` sits between
 :data:`BEGIN` and :data:`END`; :func:`splice` replaces only what is between them, so
-``kvhandoff sweep --readme README.md`` (``make sweep``) regenerates it and a test can
+``kvhandoff sweep --page docs/models.md`` (``make sweep``) regenerates it and a test can
 check it is current.
 """
 
@@ -38,18 +38,16 @@ def render_text(rows: Sequence[Row]) -> str:
 
 
 def render_markdown(rows: Sequence[Row]) -> str:
-    """The README's model list: counts, then one table row per family (no timings, so
+    """The models page's list: counts, then one table row per family (no timings, so
     the text changes only when a result does)."""
     out = [f"{counts(rows)}.", ""]
     for res in (Result.REFUSED, Result.NOT_BUILDABLE, Result.FAILED):
         names = [f"`{r.family}`" for r in rows if r.result is res]
         if names:
             out.append(f"* {res.value}: {', '.join(names)}")
-    out += ["", "<details><summary>Every family: layer kinds, result, reason</summary>", "",
-            "| family | layer kinds | result | reason |", "|---|---|---|---|"]
+    out += ["", "| family | layer kinds | result | reason |", "|---|---|---|---|"]
     out += [f"| `{r.family}` | {r.kinds or '—'} | {r.result.value} | {_cell(r.reason)} |"
             for r in rows]
-    out += ["", "</details>"]
     return "\n".join(out)
 
 
@@ -57,20 +55,20 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def splice(readme: str, block: str) -> str:
-    """``readme`` with the text between :data:`BEGIN` and :data:`END` replaced by
+def splice(page: str, block: str) -> str:
+    """``page`` with the text between :data:`BEGIN` and :data:`END` replaced by
     ``block``. Raises ``ValueError`` when the markers are missing or out of order."""
     try:
-        head, rest = readme.split(BEGIN, 1)
+        head, rest = page.split(BEGIN, 1)
         _, tail = rest.split(END, 1)
     except ValueError:
-        raise ValueError(f"the README has no {BEGIN!r} … {END!r} block to replace") from None
+        raise ValueError(f"the page has no {BEGIN!r} … {END!r} block to replace") from None
     return f"{head}{BEGIN}\n{block}\n{END}{tail}"
 
 
-def current_block(readme: str) -> str:
+def current_block(page: str) -> str:
     """What is between the markers now (without the surrounding newlines)."""
-    return readme.split(BEGIN, 1)[1].split(END, 1)[0].strip("\n")
+    return page.split(BEGIN, 1)[1].split(END, 1)[0].strip("\n")
 
 
 def save(rows: Sequence[Row], path: str | Path) -> None:
