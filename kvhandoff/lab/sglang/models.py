@@ -77,6 +77,11 @@ class TinyModel:
     window: int | None = None
     seed: int = 0
 
+    @property
+    def sizes(self) -> dict[str, Any]:
+        """The config the checkpoint is built from: the common sizes, then ``config``."""
+        return {**_COMMON, **self.config}
+
     def recipe_hash(self) -> str:
         """A short digest of everything that decides the checkpoint's bytes."""
         recipe = {"v": RECIPE_VERSION, "type": self.model_type, "common": _COMMON,

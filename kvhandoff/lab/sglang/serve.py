@@ -6,8 +6,8 @@ A :class:`SglangServer` is ``python -m sglang.launch_server`` from the SGLang ve
 reference: prefill and decode in one server). Every server gets the CPU arguments
 (:data:`CPU_ARGS`: CPU engine, torch_native attention, TP 1, a small pool, no tokenizer),
 the lab environment (stand-ins, shims, an explicit plugin whitelist), its own process
-group and a log file. :func:`serve` is the context manager; :func:`generate` sends one
-tokenised request.
+group and a log file. :func:`serve` is the context manager
+(:mod:`kvhandoff.lab.sglang.client` sends requests).
 
     with serve("llama", Role.COLOCATED, log_dir=tmp) as ref:
         out = generate(ref.url, [1, 5, 9], max_new_tokens=8)
@@ -23,11 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvhandoff.lab.servers import ProgressFn, ServerProcess, free_ports, post_json, running
+from kvhandoff.lab.servers import ProgressFn, ServerProcess, free_ports, running
 from kvhandoff.lab.sglang.env import lab_env, sglang_python
 from kvhandoff.lab.sglang.models import MODELS, ensure
 
-__all__ = ["CPU_ARGS", "BootstrapAddr", "Role", "SglangServer", "generate", "serve"]
+__all__ = ["CPU_ARGS", "DECODE_ARGS", "PREFILL_ENV", "BootstrapAddr", "Role", "SglangServer",
+           "serve"]
 
 CPU_ARGS: tuple[str, ...] = (
     "--device", "cpu", "--tp-size", "1", "--dtype", "bfloat16",
@@ -50,8 +51,18 @@ DECODE_ARGS: tuple[str, ...] = (
     "--disaggregation-decode-retraction-backup", "cpu_tensor",
 )
 
+PREFILL_ENV: Mapping[str, str] = {
+    # Early send of a cached prefix (a radix hit, or the earlier chunks of a chunked
+    # prefill) records a torch.cuda.Event under the overlap scheduler
+    # (prefill.py:1496): on CPU the scheduler dies with "Tried to instantiate dummy base
+    # class Event". The optimisation is optional; the regular per-chunk sends carry the
+    # same pages.
+    "SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX": "0",
+}
+"""Environment every lab prefill server gets."""
+
 START_TIMEOUT_S = 300.0
-REQUEST_TIMEOUT_S = 300.0
+"""Seconds a server may take to answer /health (a loaded 2-core host boots one in ~30-90)."""
 
 
 class Role(enum.Enum):
@@ -82,12 +93,14 @@ class SglangServer(ServerProcess):
     start / wait_ready / stop. ``model`` names a tiny model (:data:`~.models.MODELS`),
     whose checkpoint is at ``model_path``. ``backend`` is the transfer backend of a
     prefill or decode server (ignored when colocated); a prefill server's bootstrap
-    server listens on ``bootstrap_port``."""
+    server listens on ``bootstrap_port``. ``shims`` add lab shims to the model's own,
+    ``env`` variables to the lab environment."""
 
     def __init__(self, model: str, model_path: str | os.PathLike[str], role: Role, *,
                  port: int, log_path: str | os.PathLike[str], backend: str = "",
                  bootstrap_port: int | None = None, host: str = "127.0.0.1",
-                 extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
+                 extra_args: Sequence[str] = (), shims: Sequence[str] = (),
+                 env: Mapping[str, str] | None = None,
                  python: str | os.PathLike[str] | None = None) -> None:
         spec = MODELS[model]
         if role is not Role.COLOCATED and not backend:
@@ -113,8 +126,10 @@ class SglangServer(ServerProcess):
         args += list(extra_args)
         name = f"SGLang {role.value} server ({model}, {self.backend or 'no transfer'}) " \
                f"on port {port}"
+        role_env = PREFILL_ENV if role is Role.PREFILL else {}
         super().__init__(name, args, url=f"http://{host}:{port}", log_path=log_path,
-                         env=lab_env(shims=spec.shims, backend=self.backend, extra=env))
+                         env=lab_env(shims=(*spec.shims, *shims), backend=self.backend,
+                                     extra={**role_env, **(env or {})}))
 
     def bootstrap(self, room: int) -> BootstrapAddr:
         """The bootstrap address of a request in ``room`` on this prefill server."""
@@ -143,22 +158,3 @@ def serve(model: str, role: Role, *, log_dir: str | os.PathLike[str], backend: s
                        log_path=Path(log_dir) / f"{name}.log", **kwargs)
     with running(srv, timeout, progress=progress):
         yield srv
-
-
-def generate(url: str, input_ids: Sequence[int], *, max_new_tokens: int,
-             bootstrap: BootstrapAddr | None = None, timeout: float = REQUEST_TIMEOUT_S,
-             extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """POST one greedy ``/generate`` request of ``input_ids`` to ``url`` (a server or
-    a router) and return SGLang's answer (``output_ids``, ``meta_info``).
-    ``bootstrap`` routes it through a prefill server's room (send the same request to
-    prefill and decode)."""
-    body: dict[str, Any] = {
-        "input_ids": list(input_ids),
-        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0,
-                            "ignore_eos": True},
-        **(bootstrap.fields() if bootstrap else {}), **(extra or {}),
-    }
-    out = post_json(url.rstrip("/") + "/generate", body, timeout=timeout)
-    if not isinstance(out, dict) or "output_ids" not in out:
-        raise ValueError(f"{url}/generate answered without output_ids: {str(out)[:500]}")
-    return out

@@ -16,7 +16,7 @@ import types
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from kvhandoff.lab.sglang import standins
+from kvhandoff.lab.sglang import ledger, standins
 from kvhandoff.lab.sglang.hooks import when_imported
 
 __all__ = ["ENV", "SHIMS", "Shim", "activate", "parse"]
@@ -107,6 +107,15 @@ def _fake_cuda_capability() -> None:
     when_imported("torch", patch)
 
 
+def _transfer_ledger() -> None:
+    path = os.environ.get(ledger.ENV)
+    if not path:
+        raise ValueError(f"the transfer_ledger shim needs ${ledger.ENV}: the file to append to")
+    when_imported("sglang.srt.disaggregation.common.conn", ledger.install_sender)
+    when_imported("sglang.srt.observability.req_time_stats",
+                  lambda stats: ledger.install_stats(stats, path))
+
+
 @dataclass(frozen=True, slots=True)
 class Shim:
     """One named CPU shim: what it is for, and how to apply it in this process."""
@@ -124,6 +133,8 @@ SHIMS: dict[str, Shim] = {s.name: s for s in (
          _sgl_kernel_ops),
     Shim("fake_cuda_capability", "torch.cuda reports capability 9.0 (DSA pool boot)",
          _fake_cuda_capability),
+    Shim("transfer_ledger", "prefill appends per-request transfer bytes to a file",
+         _transfer_ledger),
 )}
 """Every shim, by name."""
 

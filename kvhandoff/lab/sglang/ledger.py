@@ -1,0 +1,135 @@
+"""Per-request transfer figures from inside SGLang's prefill scheduler (lab only).
+
+SGLang reports one figure per finished transfer: ``KVTransferMetric`` from
+``sender.get_transfer_metric()``, which the prefill scheduler turns into the
+``sglang:kv_transfer_{latency_ms,total_mb,speed_gb_s}`` histograms. Its byte count is
+SGLang's own accounting, not a wire measurement: KV pages sent × the per-page bytes of
+every KV buffer, plus state indices × the per-slot bytes of every state buffer, times the
+MLA replica factor (``CommonKVSender.get_transfer_metric``); the aux row is not counted.
+Its latency is the backend's own (first enqueue → Success) where the backend says so
+(``reports_transfer_latency``), else the time from the last chunk's enqueue to the poll
+that saw Success (Mooncake).
+
+The ``transfer_ledger`` shim (:mod:`.shims`) wraps ``CommonKVSender`` (every
+Common-based backend: Mooncake, NIXL, kvhandoff) and the scheduler's metric step, and
+appends one JSON line per request to ``$KVHANDOFF_SGLANG_LEDGER``: the same accounting
+split by component (``kv``, each ``state_types`` entry, ``aux``) next to SGLang's total
+and the latency SGLang reports for it, keyed by bootstrap room. :func:`read` loads it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ENV", "Entry", "install_sender", "install_stats", "read"]
+
+ENV = "KVHANDOFF_SGLANG_LEDGER"
+"""The file the prefill scheduler appends its records to."""
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One request's transfer as prefill's sender accounted it.
+
+    ``components`` maps ``kv``, each state type (``swa``, ``mamba``, ...) and ``aux`` to
+    bytes; ``sglang_total_bytes`` and ``latency_s`` are what SGLang reports for the
+    transfer (``sglang:kv_transfer_total_mb`` and ``_latency_ms``; ``latency_s`` None
+    when SGLang had no figure)."""
+
+    room: int
+    sender: str
+    components: Mapping[str, int]
+    sglang_total_bytes: int
+    latency_s: float | None
+
+    @property
+    def total_bytes(self) -> int:
+        """Every component, aux included."""
+        return sum(self.components.values())
+
+
+def _components(sender: Any, counts: Mapping[str, int]) -> dict[str, int]:
+    """Bytes per component, with SGLang's accounting (item bytes summed over buffers)."""
+    args = sender.kv_mgr.kv_args
+    factor = int(sender.kv_mgr.get_kv_replica_factor())
+    out = {"kv": counts.get("kv", 0) * sum(args.kv_item_lens) * factor}
+    for i, (kind, lens) in enumerate(zip(args.state_types, args.state_item_lens, strict=True)):
+        name = str(getattr(kind, "value", kind))
+        out[name] = out.get(name, 0) + counts.get(f"state{i}", 0) * sum(lens) * factor
+    out["aux"] = sum(args.aux_item_lens)
+    return out
+
+
+_pending: dict[int, dict[str, Any]] = {}
+"""Records the sender built, waiting for the scheduler's figures, by id of the metric."""
+
+
+def install_sender(conn: types.ModuleType) -> None:
+    """Wrap ``conn.CommonKVSender`` (``sglang.srt.disaggregation.common.conn``) so that
+    it counts indices per component and, when SGLang asks for its metric, prepares the
+    request's record."""
+    cls = conn.CommonKVSender
+    record, metric = cls._record_transfer_indices, cls.get_transfer_metric
+
+    def record_indices(self: Any, kv_indices: Any, state_indices: Any) -> None:
+        record(self, kv_indices, state_indices)
+        counts = self.__dict__.setdefault("_kvh_ledger_counts", {})
+        counts["kv"] = counts.get("kv", 0) + len(kv_indices)
+        for i, indices in enumerate(state_indices or ()):
+            if indices is not None:
+                counts[f"state{i}"] = counts.get(f"state{i}", 0) + len(indices)
+
+    def get_transfer_metric(self: Any) -> Any:
+        out = metric(self)
+        _pending[id(out)] = {
+            "room": int(self.bootstrap_room), "sender": type(self).__name__,
+            "components": _components(self, self.__dict__.get("_kvh_ledger_counts", {})),
+            "sglang_total_bytes": int(out.transfer_total_bytes or 0)}
+        return out
+
+    cls._record_transfer_indices = record_indices
+    cls.get_transfer_metric = get_transfer_metric
+
+
+def install_stats(stats: types.ModuleType, path: str | os.PathLike[str]) -> None:
+    """Wrap ``stats.SchedulerReqTimeStats.compute_and_observe_kv_transfer_metrics``
+    (``sglang.srt.observability.req_time_stats``), where the prefill scheduler turns a
+    sender's metric into SGLang's reported latency, so that the prepared record gets that
+    latency and is appended to ``path``."""
+    cls = stats.SchedulerReqTimeStats
+    compute = cls.compute_and_observe_kv_transfer_metrics
+
+    def compute_and_observe(self: Any, transfer_metric: Any) -> Any:
+        result = compute(self, transfer_metric)
+        line = _pending.pop(id(transfer_metric), None)
+        if line is not None:
+            latency_ms = (result or {}).get("latency_ms")
+            line["latency_s"] = None if latency_ms is None else float(latency_ms) / 1e3
+            with open(path, "a", encoding="utf-8") as f:  # one write per line: O_APPEND
+                f.write(json.dumps(line) + "\n")
+        return result
+
+    cls.compute_and_observe_kv_transfer_metrics = compute_and_observe
+
+
+def read(path: str | os.PathLike[str]) -> dict[int, Entry]:
+    """The entries in a ledger file by room (the last one wins); {} if there is none."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return {}
+    out: dict[int, Entry] = {}
+    for line in text.splitlines():
+        if line.strip():
+            d = json.loads(line)
+            out[int(d["room"])] = Entry(room=int(d["room"]), sender=str(d["sender"]),
+                                        components={k: int(v) for k, v in d["components"].items()},
+                                        sglang_total_bytes=int(d["sglang_total_bytes"]),
+                                        latency_s=d["latency_s"])
+    return out

@@ -1,0 +1,102 @@
+"""Real SGLang 0.5.23 servers on this CPU (``.venv-sglang``), PD disaggregation end to end.
+
+Per model (Llama: plain KV; Mellum: the hybrid SWA pool, prompts longer than its window;
+DeepSeek-V2: the MLA latent pool) and per transfer backend (:data:`BACKENDS`), a prefill
+and a decode server behind sglang-router serve every prompt (5 to 1500 tokens):
+
+* decode's greedy tokens equal the colocated server's, token for token;
+* prefill sent exactly the bytes the model's sizes call for, per component (SGLang's own
+  accounting, from inside its scheduler), and SGLang's reported total agrees.
+
+The servers start once per session (:mod:`kvhandoff.lab.testing.sglang`). ``make test``
+builds ``.venv-sglang`` first; elsewhere these tests skip, saying how to build it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import textwrap
+from collections.abc import Mapping
+from pathlib import Path
+
+import pytest
+
+from kvhandoff.lab.sglang.env import lab_env
+from kvhandoff.lab.testing.sglang import (
+    MAX_NEW_TOKENS,
+    Run,
+    backend,
+    deployment,
+    expected_bytes,
+    model,
+    reference,
+    reference_tokens,
+    runs,
+    sglang_logs,
+    sglang_or_skip,
+)
+
+FIXTURES = (backend, deployment, model, reference, reference_tokens, runs, sglang_logs)
+pytestmark = pytest.mark.sglang
+
+
+def test_decode_tokens_equal_colocated(runs: list[Run],
+                                       reference_tokens: Mapping[str, tuple[int, ...]]) -> None:
+    wrong = {r.prompt: (r.answer.output_ids, reference_tokens[r.prompt]) for r in runs
+             if r.answer.output_ids != reference_tokens[r.prompt]}
+    assert not wrong, f"PD tokens differ from colocated (got, want): {wrong}"
+    assert all(len(r.answer.output_ids) == MAX_NEW_TOKENS for r in runs)
+
+
+def test_prefill_sent_every_component(runs: list[Run], model: str) -> None:
+    for r in runs:
+        want = expected_bytes(model, len(r.input_ids))
+        got = dict(r.entry.components)
+        assert got.pop("aux") > 0, r
+        assert got == want, f"{r.prompt}: bytes per component {got}, expected {want}"
+        # the split adds up to what SGLang itself reports for the transfer
+        assert r.entry.sglang_total_bytes == sum(want.values()), r
+
+
+def test_plugin_whitelist(tmp_path: Path) -> None:
+    """How SGLang reads SGLANG_PLUGINS, which the lab relies on: empty loads every
+    installed plugin (here a broken one), a value naming none (the lab's ``,``) loads
+    none, a name loads only that one."""
+    py = sglang_or_skip()
+    dist = tmp_path / "kvh_probe_broken-0.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kvh-probe-broken\nVersion: 0.0\n")
+    (dist / "entry_points.txt").write_text(
+        "[sglang.srt.plugins]\nkvh_probe_broken = kvh_probe_no_such_module:register\n")
+    code = textwrap.dedent("""
+        import logging, sys
+        seen = []
+        class Catch(logging.Handler):
+            def emit(self, record):
+                seen.append(record.getMessage())
+        logging.getLogger("sglang.srt.plugins").addHandler(Catch())
+        logging.getLogger("sglang.srt.plugins").setLevel(logging.INFO)
+        from sglang.srt.plugins import load_plugins
+        load_plugins()
+        print("FAILED" if any("Failed to load plugin kvh_probe_broken" in m for m in seen)
+              else "SKIPPED" if any("Skipping plugin kvh_probe_broken" in m for m in seen)
+              else "ABSENT")
+    """)
+    procs = {}
+    for value in ("", ",", "some_other_plugin"):  # concurrently: each imports SGLang
+        env = lab_env(backend="mooncake_tcp")
+        env["SGLANG_PLUGINS"] = value
+        env["PYTHONPATH"] += f":{tmp_path}"
+        procs[value] = subprocess.Popen([str(py), "-c", code], env=env, text=True,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    results = {}
+    try:
+        for value, proc in procs.items():
+            out, err = proc.communicate(timeout=300)
+            assert proc.returncode == 0, err[-3000:]
+            results[value] = out.split()[-1]
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
+    assert results == {"": "FAILED", ",": "SKIPPED", "some_other_plugin": "SKIPPED"}
