@@ -22,8 +22,12 @@ from pathlib import Path
 import pytest
 
 from kvhandoff.lab.sglang.env import lab_env
+from kvhandoff.lab.sglang.rig import Deployment, all_running, make_pair
 from kvhandoff.lab.testing.sglang import (
+    BACKENDS,
+    BOOT_ONLY,
     MAX_NEW_TOKENS,
+    STATE_TYPES,
     Run,
     backend,
     deployment,
@@ -34,6 +38,7 @@ from kvhandoff.lab.testing.sglang import (
     runs,
     sglang_logs,
     sglang_or_skip,
+    shape,
 )
 
 FIXTURES = (backend, deployment, model, reference, reference_tokens, runs, sglang_logs)
@@ -56,6 +61,34 @@ def test_prefill_sent_every_component(runs: list[Run], model: str) -> None:
         assert got == want, f"{r.prompt}: bytes per component {got}, expected {want}"
         # the split adds up to what SGLang itself reports for the transfer
         assert r.entry.sglang_total_bytes == sum(want.values()), r
+
+
+def test_both_sides_register_the_same_pools(deployment: Deployment, model: str) -> None:
+    regs = {r.mode: r for r in deployment.registrations()}
+    assert set(regs) == {"prefill", "decode"}, regs
+    p = regs["prefill"]
+    assert shape(p) == shape(regs["decode"])
+    assert p.state_types == STATE_TYPES[model]
+    assert p.is_mla == (model == "deepseek_v2")
+    # page size 1: one item of every KV buffer is one token's KV in one layer
+    assert p.page_size == 1 and sum(p.kv_item_lens) == expected_bytes(model, 1)["kv"]
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_boot_only_models_start_in_both_roles(backend_name: str, tmp_path: Path) -> None:
+    """NemotronH (Mamba2) and DeepSeek-V3.2 (DSA) cannot run a forward pass on CPU, but
+    their prefill and decode servers start, build their pools and register the state
+    components a transfer backend must carry: what the pool tests build on."""
+    py = sglang_or_skip()
+    pairs = [make_pair(m, backend_name, log_dir=tmp_path / m, python=py) for m in BOOT_ONLY]
+    with all_running([s for pair in pairs for s in (pair.prefill, pair.decode)], 600):
+        for pair in pairs:
+            regs = {r.mode: r for r in pair.registrations()}
+            assert set(regs) == {"prefill", "decode"}, (pair.model, regs)
+            p = regs["prefill"]
+            assert shape(p) == shape(regs["decode"]), regs
+            assert p.state_types == STATE_TYPES[pair.model], regs
+            assert all(n > 0 for c in p.state_item_lens for n in c), regs
 
 
 def test_plugin_whitelist(tmp_path: Path) -> None:

@@ -8,14 +8,16 @@ The stand-ins are checked in fresh interpreters started the way the lab starts S
 from __future__ import annotations
 
 import importlib
+import json
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import pytest
 
-from kvhandoff.lab.sglang import env, hooks, models, shims, standins
+from kvhandoff.lab.sglang import env, hooks, ledger, models, shims, standins
 
 
 def _run_lab(code: str, *, shim_names: tuple[str, ...] = ("standins",),
@@ -163,3 +165,102 @@ def test_model_recipes() -> None:
     assert models.model_dir("llama", Path("/c")) == a  # stable
     with pytest.raises(KeyError, match="unknown tiny SGLang model 'gpt9'"):
         models.model_dir("gpt9")
+
+
+class _KVArgs:
+    """SGLang's KVArgs as far as the ledger reads it: 2 KV buffers, 3 SWA buffers, 2 aux."""
+
+    def __init__(self) -> None:
+        self.kv_item_lens = [64, 64]
+        self.state_types = [types.SimpleNamespace(value="swa")]
+        self.state_item_lens = [[32, 32, 32]]
+        self.aux_item_lens = [8, 8]
+        self.page_size = 1
+
+
+class _Manager:
+    def __init__(self, args: object, mode: object, *rest: object, **kw: object) -> None:
+        self.kv_args = args
+        self.is_mla_backend = False
+
+    def get_kv_replica_factor(self) -> int:
+        return 1
+
+
+class _Metric:
+    transfer_total_bytes: int | None = None
+    transfer_latency_s = None
+
+
+class _Sender:
+    """SGLang's CommonKVSender as far as the ledger touches it."""
+
+    def __init__(self, room: int) -> None:
+        self.bootstrap_room = room
+        self.kv_mgr = _Manager(_KVArgs(), "prefill")
+        self.metric = _Metric()
+        self.kv = 0
+        self.states = 0
+
+    def _record_transfer_indices(self, kv_indices: list[int], state_indices: list[object]) -> None:
+        self.kv += len(kv_indices)
+        self.states += sum(len(s) for s in state_indices or () if s is not None)  # type: ignore[arg-type]
+
+    def get_transfer_metric(self) -> _Metric:
+        self.metric.transfer_total_bytes = self.kv * 128 + self.states * 96
+        return self.metric
+
+
+class _Stats:
+    def compute_and_observe_kv_transfer_metrics(self, metric: _Metric) -> dict[str, float]:
+        return {"latency_ms": 2.5}
+
+
+def test_ledger_splits_sglangs_accounting_per_component(tmp_path: Path) -> None:
+    """Counts per component × item bytes summed over buffers; aux once; SGLang's own total
+    and latency carried along; a manager's registration recorded with its role."""
+    book = tmp_path / "ledger.jsonl"
+    conn = types.SimpleNamespace(CommonKVSender=type("S", (_Sender,), {}),
+                                 CommonKVManager=type("M", (_Manager,), {}))
+    stats = types.SimpleNamespace(SchedulerReqTimeStats=type("T", (_Stats,), {}))
+    ledger.install_manager(conn, book)  # type: ignore[arg-type]
+    ledger.install_sender(conn)  # type: ignore[arg-type]
+    ledger.install_stats(stats, book)  # type: ignore[arg-type]
+
+    conn.CommonKVManager(_KVArgs(), types.SimpleNamespace(value="decode"), None)
+    sender = conn.CommonKVSender(7)
+    sender._record_transfer_indices(list(range(10)), [None])  # a first chunk
+    sender._record_transfer_indices(list(range(5)), [[1, 2, 3]])  # the last, with state
+    stats.SchedulerReqTimeStats().compute_and_observe_kv_transfer_metrics(
+        sender.get_transfer_metric())
+
+    (reg,) = ledger.registrations(book)
+    assert reg.mode == "decode" and reg.state_types == ("swa",)
+    assert reg.kv_item_lens == (64, 64) and reg.state_item_lens == ((32, 32, 32),)
+    got = ledger.transfers(book)[7]
+    assert dict(got.components) == {"kv": 15 * 128, "swa": 3 * 96, "aux": 16}
+    assert got.sglang_total_bytes == 15 * 128 + 3 * 96
+    assert got.latency_s == 0.0025 and got.sender == "S"
+    assert ledger.transfers(tmp_path / "none.jsonl") == {}
+
+
+def test_demo_fails_on_any_mismatch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    from kvhandoff.lab import cli
+    from kvhandoff.lab.sglang import demo
+
+    def rows(model: str, backends: list[str], lengths: list[int], **kw: object) -> list[demo.Row]:
+        return [demo.Row(model, b, n, {"kv": 10 * n, "aux": 8}, 10 * n, 1.0, 2.0, 3.0,
+                         exact=(n != 600), trials=3) for b in backends for n in lengths]
+
+    fake = tmp_path / "python"
+    fake.touch()
+    monkeypatch.setenv("KVHANDOFF_SGLANG_PYTHON", str(fake))
+    monkeypatch.setattr(demo, "run_model", rows)
+    base = ["demo-sglang", "--work-dir", str(tmp_path), "--json", str(tmp_path / "r.json")]
+    assert cli.main([*base, "--tokens", "16,600"]) == 1
+    assert "MISMATCH" in capsys.readouterr().out
+    assert cli.main([*base, "--tokens", "16", "--backend", "a", "--backend", "b"]) == 0
+    out = capsys.readouterr().out
+    assert "every row token-exact" in out and " a " in out and " b " in out
+    assert len(json.loads((tmp_path / "r.json").read_text())) == 2

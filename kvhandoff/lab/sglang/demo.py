@@ -119,12 +119,12 @@ def format_rows(rows: Sequence[Row], *, header: bool = True) -> str:
     def ms(v: float | None) -> str:
         return "n/a" if v is None else f"{v:.1f}"
 
-    lines = [f"{'model':<12} {'backend':<13} {'tokens':>6}  {'bytes per component':<38} "
+    lines = [f"{'model':<12} {'backend':<13} {'tokens':>6}  {'bytes per component':<40} "
              f"{'total':>9} {'transfer ms':>11} {'TTFT ms':>8} {'ref ms':>7}  exact"] \
         if header else []
     for r in rows:
         parts = ", ".join(f"{k} {human_size(v)}" for k, v in r.components.items())
-        lines.append(f"{r.model:<12} {r.backend:<13} {r.prompt_tokens:>6}  {parts:<38} "
+        lines.append(f"{r.model:<12} {r.backend:<13} {r.prompt_tokens:>6}  {parts:<40} "
                      f"{human_size(r.sglang_total_bytes):>9} {ms(r.transfer_ms):>11} "
                      f"{ms(r.ttft_ms):>8} {ms(r.ref_ttft_ms):>7}  "
                      f"{'✓' if r.exact else '✗'} ({r.trials})")

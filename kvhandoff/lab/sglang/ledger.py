@@ -1,4 +1,4 @@
-"""Per-request transfer figures from inside SGLang's prefill scheduler (lab only).
+"""What SGLang's transfer managers register and send, recorded from inside (lab only).
 
 SGLang reports one figure per finished transfer: ``KVTransferMetric`` from
 ``sender.get_transfer_metric()``, which the prefill scheduler turns into the
@@ -10,11 +10,15 @@ Its latency is the backend's own (first enqueue → Success) where the backend s
 (``reports_transfer_latency``), else the time from the last chunk's enqueue to the poll
 that saw Success (Mooncake).
 
-The ``transfer_ledger`` shim (:mod:`.shims`) wraps ``CommonKVSender`` (every
-Common-based backend: Mooncake, NIXL, kvhandoff) and the scheduler's metric step, and
-appends one JSON line per request to ``$KVHANDOFF_SGLANG_LEDGER``: the same accounting
-split by component (``kv``, each ``state_types`` entry, ``aux``) next to SGLang's total
-and the latency SGLang reports for it, keyed by bootstrap room. :func:`read` loads it.
+The ``transfer_ledger`` shim (:mod:`.shims`) wraps ``CommonKVManager``,
+``CommonKVSender`` (every Common-based backend: Mooncake, NIXL, kvhandoff) and the
+scheduler's metric step, and appends JSON lines to ``$KVHANDOFF_SGLANG_LEDGER``:
+
+* a :class:`Registration` when a manager is built: the buffers the pools registered
+  (``KVArgs``: KV item sizes, each ``state_types`` entry's, aux), per role;
+* a :class:`Transfer` per request prefill sent: the same accounting as SGLang's, split
+  by component (``kv``, each state type, ``aux``), next to SGLang's total and the
+  latency SGLang reports, keyed by bootstrap room.
 """
 
 from __future__ import annotations
@@ -27,14 +31,29 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ENV", "Entry", "install_sender", "install_stats", "read"]
+__all__ = ["ENV", "Registration", "Transfer", "install_manager", "install_sender",
+           "install_stats", "registrations", "transfers"]
 
 ENV = "KVHANDOFF_SGLANG_LEDGER"
-"""The file the prefill scheduler appends its records to."""
+"""The file SGLang processes append their records to."""
 
 
 @dataclass(frozen=True, slots=True)
-class Entry:
+class Registration:
+    """The buffers one transfer manager registered (SGLang's ``KVArgs``): bytes per item
+    of each KV buffer, of each state component's buffers, of each aux buffer."""
+
+    mode: str
+    page_size: int
+    is_mla: bool
+    kv_item_lens: tuple[int, ...]
+    state_types: tuple[str, ...]
+    state_item_lens: tuple[tuple[int, ...], ...]
+    aux_item_lens: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
     """One request's transfer as prefill's sender accounted it.
 
     ``components`` maps ``kv``, each state type (``swa``, ``mamba``, ...) and ``aux`` to
@@ -48,10 +67,34 @@ class Entry:
     sglang_total_bytes: int
     latency_s: float | None
 
-    @property
-    def total_bytes(self) -> int:
-        """Every component, aux included."""
-        return sum(self.components.values())
+
+def _append(path: str | os.PathLike[str], record: Mapping[str, Any]) -> None:
+    with open(path, "a", encoding="utf-8") as f:  # one write per line: O_APPEND
+        f.write(json.dumps(record) + "\n")
+
+
+def _name(state_type: object) -> str:
+    return str(getattr(state_type, "value", state_type))
+
+
+def install_manager(conn: types.ModuleType, path: str | os.PathLike[str]) -> None:
+    """Wrap ``conn.CommonKVManager.__init__`` (``sglang.srt.disaggregation.common.conn``)
+    to append a :class:`Registration` of every manager built."""
+    cls = conn.CommonKVManager
+    init = cls.__init__
+
+    def manager_init(self: Any, args: Any, disaggregation_mode: Any, *rest: Any,
+                     **kwargs: Any) -> None:
+        init(self, args, disaggregation_mode, *rest, **kwargs)
+        _append(path, {
+            "event": "register", "mode": _name(disaggregation_mode),
+            "page_size": int(args.page_size), "is_mla": bool(self.is_mla_backend),
+            "kv_item_lens": [int(x) for x in args.kv_item_lens],
+            "state_types": [_name(t) for t in args.state_types],
+            "state_item_lens": [[int(x) for x in c] for c in args.state_item_lens],
+            "aux_item_lens": [int(x) for x in args.aux_item_lens]})
+
+    cls.__init__ = manager_init
 
 
 def _components(sender: Any, counts: Mapping[str, int]) -> dict[str, int]:
@@ -60,8 +103,7 @@ def _components(sender: Any, counts: Mapping[str, int]) -> dict[str, int]:
     factor = int(sender.kv_mgr.get_kv_replica_factor())
     out = {"kv": counts.get("kv", 0) * sum(args.kv_item_lens) * factor}
     for i, (kind, lens) in enumerate(zip(args.state_types, args.state_item_lens, strict=True)):
-        name = str(getattr(kind, "value", kind))
-        out[name] = out.get(name, 0) + counts.get(f"state{i}", 0) * sum(lens) * factor
+        out[_name(kind)] = out.get(_name(kind), 0) + counts.get(f"state{i}", 0) * sum(lens) * factor
     out["aux"] = sum(args.aux_item_lens)
     return out
 
@@ -71,9 +113,8 @@ _pending: dict[int, dict[str, Any]] = {}
 
 
 def install_sender(conn: types.ModuleType) -> None:
-    """Wrap ``conn.CommonKVSender`` (``sglang.srt.disaggregation.common.conn``) so that
-    it counts indices per component and, when SGLang asks for its metric, prepares the
-    request's record."""
+    """Wrap ``conn.CommonKVSender`` so that it counts indices per component and, when
+    SGLang asks for its metric, prepares the request's :class:`Transfer`."""
     cls = conn.CommonKVSender
     record, metric = cls._record_transfer_indices, cls.get_transfer_metric
 
@@ -88,7 +129,8 @@ def install_sender(conn: types.ModuleType) -> None:
     def get_transfer_metric(self: Any) -> Any:
         out = metric(self)
         _pending[id(out)] = {
-            "room": int(self.bootstrap_room), "sender": type(self).__name__,
+            "event": "transfer", "room": int(self.bootstrap_room),
+            "sender": type(self).__name__,
             "components": _components(self, self.__dict__.get("_kvh_ledger_counts", {})),
             "sglang_total_bytes": int(out.transfer_total_bytes or 0)}
         return out
@@ -111,25 +153,34 @@ def install_stats(stats: types.ModuleType, path: str | os.PathLike[str]) -> None
         if line is not None:
             latency_ms = (result or {}).get("latency_ms")
             line["latency_s"] = None if latency_ms is None else float(latency_ms) / 1e3
-            with open(path, "a", encoding="utf-8") as f:  # one write per line: O_APPEND
-                f.write(json.dumps(line) + "\n")
+            _append(path, line)
         return result
 
     cls.compute_and_observe_kv_transfer_metrics = compute_and_observe
 
 
-def read(path: str | os.PathLike[str]) -> dict[int, Entry]:
-    """The entries in a ledger file by room (the last one wins); {} if there is none."""
+def _records(path: str | os.PathLike[str], event: str) -> list[dict[str, Any]]:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
-        return {}
-    out: dict[int, Entry] = {}
-    for line in text.splitlines():
-        if line.strip():
-            d = json.loads(line)
-            out[int(d["room"])] = Entry(room=int(d["room"]), sender=str(d["sender"]),
-                                        components={k: int(v) for k, v in d["components"].items()},
-                                        sglang_total_bytes=int(d["sglang_total_bytes"]),
-                                        latency_s=d["latency_s"])
-    return out
+        return []
+    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    return [r for r in rows if r.get("event") == event]
+
+
+def transfers(path: str | os.PathLike[str]) -> dict[int, Transfer]:
+    """The transfers in a ledger file by room (the last one wins); {} if none."""
+    return {int(d["room"]): Transfer(
+        room=int(d["room"]), sender=str(d["sender"]),
+        components={k: int(v) for k, v in d["components"].items()},
+        sglang_total_bytes=int(d["sglang_total_bytes"]), latency_s=d["latency_s"])
+        for d in _records(path, "transfer")}
+
+
+def registrations(path: str | os.PathLike[str]) -> list[Registration]:
+    """The registrations in a ledger file, in the order they were written."""
+    return [Registration(
+        mode=str(d["mode"]), page_size=int(d["page_size"]), is_mla=bool(d["is_mla"]),
+        kv_item_lens=tuple(d["kv_item_lens"]), state_types=tuple(d["state_types"]),
+        state_item_lens=tuple(tuple(c) for c in d["state_item_lens"]),
+        aux_item_lens=tuple(d["aux_item_lens"])) for d in _records(path, "register")]

@@ -110,7 +110,10 @@ MODELS: dict[str, TinyModel] = {m.name: m for m in (
         "conv_kernel": 4, "expand": 1, "chunk_size": 16},
         fixes={"layers_block_type": ["mamba", "mlp", "attention", "mlp"], "mamba_n_groups": 1},
         shims=("sgl_kernel_ops",),
-        server_args=("--mamba-radix-cache-strategy", "no_buffer", "--disable-overlap-schedule"),
+        # extra_buffer (the default) needs a GPU platform, and no_buffer refuses the
+        # overlap scheduler; unbounded, the Mamba pool sizes itself to ~7 GB of RAM
+        server_args=("--mamba-radix-cache-strategy", "no_buffer", "--disable-overlap-schedule",
+                     "--max-mamba-cache-size", "64", "--max-running-requests", "16"),
         forward=False),
     # DeepSeek-V3.2 sparse attention (DSA indexer pool): boots with a faked CUDA
     # capability, its indexer has no torch path.

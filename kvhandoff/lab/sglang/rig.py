@@ -32,8 +32,8 @@ from kvhandoff.lab.sglang.front import Router
 from kvhandoff.lab.sglang.models import ensure
 from kvhandoff.lab.sglang.serve import START_TIMEOUT_S, Role, SglangServer
 
-__all__ = ["BACKENDS", "LEDGER_TIMEOUT_S", "Deployment", "Reference", "deployment", "reference",
-           "stop_all"]
+__all__ = ["BACKENDS", "LEDGER_TIMEOUT_S", "Deployment", "Pair", "Reference", "all_running",
+           "deployment", "make_pair", "reference", "stop_all"]
 
 BACKENDS: tuple[str, ...] = ("mooncake_tcp",)
 """The transfer backends the lab runs SGLang deployments over (tests, demo, bench)."""
@@ -42,43 +42,6 @@ LEDGER_TIMEOUT_S = 60.0
 """How long :meth:`Deployment.send` waits for prefill's ledger entry after decode has
 answered (prefill notes the transfer when its poll sees Success; decode may finish
 first)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Deployment:
-    """A running PD deployment of ``model`` over transfer ``backend``."""
-
-    model: str
-    backend: str
-    prefill: SglangServer
-    decode: SglangServer
-    router: Router
-    ledger_path: Path
-
-    @property
-    def url(self) -> str:
-        """Where clients send requests: the router."""
-        return self.router.url
-
-    def send(self, input_ids: Sequence[int], *, max_new_tokens: int
-             ) -> tuple[Answer, ledger.Entry]:
-        """Stream one request through the router, then wait (at most
-        :data:`LEDGER_TIMEOUT_S`) for prefill's ledger entry of it. Requests must be sent
-        one at a time: the entry is the one that appears during this call."""
-        before = set(ledger.read(self.ledger_path))
-        answer = stream(self.url, input_ids, max_new_tokens=max_new_tokens)
-        deadline = time.monotonic() + LEDGER_TIMEOUT_S
-        while True:
-            new = {room: e for room, e in ledger.read(self.ledger_path).items()
-                   if room not in before}
-            if len(new) == 1:
-                return answer, next(iter(new.values()))
-            if len(new) > 1 or time.monotonic() >= deadline:
-                raise RuntimeError(
-                    f"{self.prefill.name}: expected one new transfer ledger entry for a "
-                    f"{len(input_ids)}-token request, found {len(new)} after "
-                    f"{LEDGER_TIMEOUT_S:.0f} s ({self.ledger_path})")
-            time.sleep(0.05)
 
 
 def stop_all(servers: Sequence[ServerProcess]) -> None:
@@ -91,37 +54,104 @@ def stop_all(servers: Sequence[ServerProcess]) -> None:
 
 
 @contextlib.contextmanager
-def deployment(model: str, backend: str, *, log_dir: str | os.PathLike[str],
-               timeout: float = START_TIMEOUT_S, progress: ProgressFn | None = None,
-               python: str | os.PathLike[str] | None = None) -> Iterator[Deployment]:
-    """Start a prefill and a decode server of ``model`` over ``backend`` and a router in
-    front, wait until all are ready (each at most ``timeout`` s from its start;
-    a failure raises :class:`~kvhandoff.lab.servers.ServerError` with its log's tail),
-    yield the :class:`Deployment`, and stop everything on exit."""
+def all_running(servers: Sequence[ServerProcess], timeout: float,
+                progress: ProgressFn | None = None) -> Iterator[None]:
+    """Start every server at once (their boots overlap), wait until each is ready (at most
+    ``timeout`` s from its start; a failure raises
+    :class:`~kvhandoff.lab.servers.ServerError` with its log's tail), and stop them all
+    on exit."""
+    try:
+        for srv in servers:
+            srv.start()
+        for srv in servers:
+            srv.wait_ready(timeout, progress=progress)
+        yield
+    finally:
+        stop_all(servers)
+
+
+@dataclass(frozen=True, slots=True)
+class Pair:
+    """A prefill and a decode server of ``model`` over ``backend`` (not started), and the
+    ledger file both record their registrations (and prefill its transfers) in."""
+
+    model: str
+    backend: str
+    prefill: SglangServer
+    decode: SglangServer
+    ledger_path: Path
+
+    def registrations(self) -> list[ledger.Registration]:
+        """What each side's transfer manager registered, in the order they came up."""
+        return ledger.registrations(self.ledger_path)
+
+
+@dataclass(frozen=True, slots=True)
+class Deployment(Pair):
+    """A running PD deployment: a prefill and a decode server and the router in front."""
+
+    router: Router
+
+    @property
+    def url(self) -> str:
+        """Where clients send requests: the router."""
+        return self.router.url
+
+    def send(self, input_ids: Sequence[int], *, max_new_tokens: int
+             ) -> tuple[Answer, ledger.Transfer]:
+        """Stream one request through the router, then wait (at most
+        :data:`LEDGER_TIMEOUT_S`) for prefill's ledger entry of it. Requests must be sent
+        one at a time: the entry is the one that appears during this call."""
+        before = set(ledger.transfers(self.ledger_path))
+        answer = stream(self.url, input_ids, max_new_tokens=max_new_tokens)
+        deadline = time.monotonic() + LEDGER_TIMEOUT_S
+        while True:
+            new = {room: e for room, e in ledger.transfers(self.ledger_path).items()
+                   if room not in before}
+            if len(new) == 1:
+                return answer, next(iter(new.values()))
+            if len(new) > 1 or time.monotonic() >= deadline:
+                raise RuntimeError(
+                    f"{self.prefill.name}: expected one new transfer ledger entry for a "
+                    f"{len(input_ids)}-token request, found {len(new)} after "
+                    f"{LEDGER_TIMEOUT_S:.0f} s ({self.ledger_path})")
+            time.sleep(0.05)
+
+
+def make_pair(model: str, backend: str, *, log_dir: str | os.PathLike[str],
+              python: str | os.PathLike[str] | None = None) -> Pair:
+    """Build (do not start) a prefill and a decode server on free ports, with a fresh
+    ledger in ``log_dir``."""
     py = python or sglang_python()
     path = ensure(model, py)
     logs = Path(log_dir)
     logs.mkdir(parents=True, exist_ok=True)
     book = logs / f"{model}-{backend}-ledger.jsonl"
     book.unlink(missing_ok=True)
-    pport, bport, dport, rport = free_ports(4)
+    pport, bport, dport = free_ports(3)
+    shims, env = ("transfer_ledger",), {ledger.ENV: str(book)}
     p = SglangServer(model, path, Role.PREFILL, port=pport, bootstrap_port=bport,
-                     backend=backend, python=py, log_path=logs / f"{model}-{backend}-prefill.log",
-                     shims=("transfer_ledger",), env={ledger.ENV: str(book)})
+                     backend=backend, python=py, shims=shims, env=env,
+                     log_path=logs / f"{model}-{backend}-prefill.log")
     d = SglangServer(model, path, Role.DECODE, port=dport, backend=backend, python=py,
-                     log_path=logs / f"{model}-{backend}-decode.log")
-    # The router waits for its workers itself, so all three boot at once.
-    router = Router([p], [d], port=rport, python=py, startup_timeout=timeout,
-                    log_path=logs / f"{model}-{backend}-router.log")
-    servers = (p, d, router)
-    try:
-        for srv in servers:
-            srv.start()
-        for srv in servers:
-            srv.wait_ready(timeout, progress=progress)
-        yield Deployment(model, backend, p, d, router, book)
-    finally:
-        stop_all(servers)
+                     shims=shims, env=env, log_path=logs / f"{model}-{backend}-decode.log")
+    return Pair(model, backend, p, d, book)
+
+
+@contextlib.contextmanager
+def deployment(model: str, backend: str, *, log_dir: str | os.PathLike[str],
+               timeout: float = START_TIMEOUT_S, progress: ProgressFn | None = None,
+               python: str | os.PathLike[str] | None = None) -> Iterator[Deployment]:
+    """Start a prefill and a decode server of ``model`` over ``backend`` and a router in
+    front (all at once: the router waits for its workers itself), wait until all are
+    ready (:func:`all_running`), yield the :class:`Deployment`, stop everything on exit."""
+    pair = make_pair(model, backend, log_dir=log_dir, python=python)
+    (rport,) = free_ports(1)
+    router = Router([pair.prefill], [pair.decode], port=rport, python=python,
+                    startup_timeout=timeout,
+                    log_path=Path(log_dir) / f"{model}-{backend}-router.log")
+    with all_running((pair.prefill, pair.decode, router), timeout, progress):
+        yield Deployment(model, backend, pair.prefill, pair.decode, pair.ledger_path, router)
 
 
 class Reference:

@@ -27,15 +27,16 @@ from kvhandoff.lab.servers import ProgressFn, ServerProcess, free_ports, running
 from kvhandoff.lab.sglang.env import lab_env, sglang_python
 from kvhandoff.lab.sglang.models import MODELS, ensure
 
-__all__ = ["CPU_ARGS", "DECODE_ARGS", "PREFILL_ENV", "BootstrapAddr", "Role", "SglangServer",
-           "serve"]
+__all__ = ["CPU_ARGS", "DECODE_ARGS", "PREFILL_ENV", "SERVER_ENV", "BootstrapAddr", "Role",
+           "SglangServer", "serve"]
 
 CPU_ARGS: tuple[str, ...] = (
     "--device", "cpu", "--tp-size", "1", "--dtype", "bfloat16",
     # the one sound attention backend on CPU (triton has no CPU driver; flex_attention
     # answers zeros), and the samplers / grammar that need no GPU kernels
     "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
-    "--grammar-backend", "none", "--disable-cuda-graph",
+    "--grammar-backend", "none",
+    "--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled",
     # the tiny models have no tokenizer: requests carry input_ids, answers output_ids
     "--skip-tokenizer-init",
     # a small pool: the prompts are at most a few thousand tokens
@@ -50,6 +51,16 @@ DECODE_ARGS: tuple[str, ...] = (
     # which asserts CUDA
     "--disaggregation-decode-retraction-backup", "cpu_tensor",
 )
+
+SERVER_ENV: Mapping[str, str] = {
+    # By default SGLang's /health runs a one-token generation whenever the server is
+    # idle (a fake-bootstrap one in a PD role). The lab polls /health to see a server
+    # come up: that would put a forward pass on every poll (on a loaded host, a slow
+    # answer), and kill a prefill server of a model that cannot run a forward on CPU
+    # (NemotronH, DeepSeek-V3.2). Off, /health is 200 once the server is up.
+    "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0",
+}
+"""Environment every lab server gets."""
 
 PREFILL_ENV: Mapping[str, str] = {
     # Early send of a cached prefix (a radix hit, or the earlier chunks of a chunked
@@ -126,7 +137,7 @@ class SglangServer(ServerProcess):
         args += list(extra_args)
         name = f"SGLang {role.value} server ({model}, {self.backend or 'no transfer'}) " \
                f"on port {port}"
-        role_env = PREFILL_ENV if role is Role.PREFILL else {}
+        role_env = {**SERVER_ENV, **(PREFILL_ENV if role is Role.PREFILL else {})}
         super().__init__(name, args, url=f"http://{host}:{port}", log_path=log_path,
                          env=lab_env(shims=(*spec.shims, *shims), backend=self.backend,
                                      extra={**role_env, **(env or {})}))

@@ -111,7 +111,11 @@ def _transfer_ledger() -> None:
     path = os.environ.get(ledger.ENV)
     if not path:
         raise ValueError(f"the transfer_ledger shim needs ${ledger.ENV}: the file to append to")
-    when_imported("sglang.srt.disaggregation.common.conn", ledger.install_sender)
+    def patch(conn: types.ModuleType) -> None:
+        ledger.install_manager(conn, path)
+        ledger.install_sender(conn)
+
+    when_imported("sglang.srt.disaggregation.common.conn", patch)
     when_imported("sglang.srt.observability.req_time_stats",
                   lambda stats: ledger.install_stats(stats, path))
 
@@ -133,7 +137,7 @@ SHIMS: dict[str, Shim] = {s.name: s for s in (
          _sgl_kernel_ops),
     Shim("fake_cuda_capability", "torch.cuda reports capability 9.0 (DSA pool boot)",
          _fake_cuda_capability),
-    Shim("transfer_ledger", "prefill appends per-request transfer bytes to a file",
+    Shim("transfer_ledger", "transfer managers record their buffers and transfers in a file",
          _transfer_ledger),
 )}
 """Every shim, by name."""

@@ -29,9 +29,9 @@ from kvhandoff.lab.sglang.rig import Deployment, Reference
 from kvhandoff.lab.sglang.rig import deployment as start_deployment
 from kvhandoff.lab.sglang.rig import reference as start_reference
 
-__all__ = ["BACKENDS", "MAX_NEW_TOKENS", "MODEL_NAMES", "PROMPT_LENGTHS", "Run", "backend",
-           "deployment", "expected_bytes", "model", "prompts", "reference",
-           "reference_tokens", "runs", "sglang_logs", "sglang_or_skip"]
+__all__ = ["BACKENDS", "BOOT_ONLY", "MAX_NEW_TOKENS", "MODEL_NAMES", "PROMPT_LENGTHS",
+           "STATE_TYPES", "Run", "backend", "deployment", "expected_bytes", "model", "prompts",
+           "reference", "reference_tokens", "runs", "sglang_logs", "sglang_or_skip", "shape"]
 
 BACKENDS: list[str] = list(rig.BACKENDS)
 """The transfer backends every PD row runs over (:data:`kvhandoff.lab.sglang.rig.BACKENDS`:
@@ -45,6 +45,15 @@ PROMPT_LENGTHS: tuple[int, ...] = (5, 37, 300, 700, 1500)
 prefill: ``--chunked-prefill-size 1024``, so the KV leaves in two sends)."""
 
 MAX_NEW_TOKENS = 12
+
+BOOT_ONLY: list[str] = [n for n, m in MODELS.items() if not m.forward]
+"""Models SGLang boots and builds pools for on CPU but cannot run a forward pass with."""
+
+STATE_TYPES: dict[str, tuple[str, ...]] = {
+    "llama": (), "mellum": ("swa",), "deepseek_v2": (), "nemotron_h": ("mamba",),
+    "deepseek_v32": ("dsa",)}
+"""The state components each model's pools register with SGLang's transfer manager
+(besides the KV buffers and aux)."""
 
 
 def sglang_or_skip() -> Path:
@@ -83,6 +92,11 @@ def expected_bytes(model: str, prompt_tokens: int) -> dict[str, int]:
     return out
 
 
+def shape(reg: ledger.Registration) -> tuple[object, ...]:
+    """What prefill's and decode's registrations must agree on (all but the role)."""
+    return (reg.page_size, reg.is_mla, reg.kv_item_lens, reg.state_types, reg.state_item_lens)
+
+
 @dataclass(frozen=True, slots=True)
 class Run:
     """One prompt through a deployment: decode's answer and prefill's ledger entry."""
@@ -90,7 +104,7 @@ class Run:
     prompt: str
     input_ids: tuple[int, ...]
     answer: Answer
-    entry: ledger.Entry
+    entry: ledger.Transfer
 
 
 @pytest.fixture(scope="session")
