@@ -181,13 +181,15 @@ typecheck: $(STAMP)
 unit: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP)
 	$(BIN)/python -m pytest -q
 
-# The fault, conformance and end-to-end suites (the vLLM servers aside) STRESS_RUNS times in
-# a row while CPU hogs keep every core busy: no test may lean on an idle machine.
+# The fault, conformance and end-to-end suites (the vLLM and SGLang servers aside)
+# STRESS_RUNS times in a row while CPU hogs keep every core busy: no test may lean on an
+# idle machine.
 STRESS_RUNS ?= 3
 test-stress: $(STAMP)
 	$(BIN)/python -m kvhandoff.lab.testing.hogs --runs $(STRESS_RUNS) -- \
 	  $(BIN)/python -m pytest -q -p no:cacheprovider tests/faults tests/conformance tests/e2e \
-	  --ignore=tests/e2e/test_vllm.py --ignore=tests/e2e/test_vllm_worker.py
+	  --ignore=tests/e2e/test_vllm.py --ignore=tests/e2e/test_vllm_worker.py \
+	  --ignore=tests/e2e/test_sglang.py
 
 # The part of test-stress CI runs (.ci/run): the fault suite once under the hogs, with its
 # soak at the make-test length, so a timing assumption in a fault test cannot land.
