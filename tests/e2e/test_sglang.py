@@ -6,7 +6,13 @@ and a decode server behind sglang-router serve every prompt (5 to 1500 tokens):
 
 * decode's greedy tokens equal the colocated server's, token for token;
 * prefill sent exactly the bytes the model's sizes call for, per component (SGLang's own
-  accounting, from inside its scheduler), and SGLang's reported total agrees.
+  accounting, from inside its scheduler), and SGLang's reported total agrees;
+* given another prompt than prefill's, decode still generates prefill's prompt's tokens
+  (the negative control: decode's tokens come from the transferred state alone);
+* both sides registered the same pools, with the model's state types.
+
+NemotronH (Mamba2) and DeepSeek-V3.2 (DSA) boot in both roles and register ``mamba`` and
+``dsa`` state; how SGLang reads ``SGLANG_PLUGINS`` is pinned.
 
 The servers start once per session (:mod:`kvhandoff.lab.testing.sglang`). ``make test``
 builds ``.venv-sglang`` first; elsewhere these tests skip, saying how to build it.
@@ -14,15 +20,18 @@ builds ``.venv-sglang`` first; elsewhere these tests skip, saying how to build i
 
 from __future__ import annotations
 
+import random
 import subprocess
 import textwrap
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+from kvhandoff.lab.sglang.client import generate, stream
 from kvhandoff.lab.sglang.env import lab_env
-from kvhandoff.lab.sglang.rig import Deployment, all_running, make_pair
+from kvhandoff.lab.sglang.rig import Deployment, Reference, all_running, make_pair
 from kvhandoff.lab.testing.sglang import (
     BACKENDS,
     BOOT_ONLY,
@@ -61,6 +70,29 @@ def test_prefill_sent_every_component(runs: list[Run], model: str) -> None:
         assert got == want, f"{r.prompt}: bytes per component {got}, expected {want}"
         # the split adds up to what SGLang itself reports for the transfer
         assert r.entry.sglang_total_bytes == sum(want.values()), r
+
+
+def test_decode_follows_the_state_it_receives(deployment: Deployment,
+                                             reference: Reference) -> None:
+    """The negative control: prefill computes prompt X, decode is given prompt Y of the
+    same length in the same room. Decode's tokens are X's, not Y's: what it generates
+    comes from the transferred state alone (no recompute), and the comparison above
+    tells different states apart."""
+    rng = random.Random(1)
+    x, y = (tuple(rng.randrange(3, 512) for _ in range(300)) for _ in range(2))
+    ref_url = reference.ready().url
+    want_x, want_y = (stream(ref_url, p, max_new_tokens=MAX_NEW_TOKENS).output_ids
+                      for p in (x, y))
+    assert want_x != want_y
+    room = deployment.prefill.bootstrap(rng.getrandbits(62))
+    with ThreadPoolExecutor(2) as pool:
+        to_prefill = pool.submit(generate, deployment.prefill.url, x,
+                                 max_new_tokens=MAX_NEW_TOKENS, bootstrap=room)
+        to_decode = pool.submit(generate, deployment.decode.url, y,
+                                max_new_tokens=MAX_NEW_TOKENS, bootstrap=room)
+        got = tuple(to_decode.result()["output_ids"])
+        to_prefill.result()
+    assert got == want_x
 
 
 def test_both_sides_register_the_same_pools(deployment: Deployment, model: str) -> None:
