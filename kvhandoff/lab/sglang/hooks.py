@@ -20,9 +20,9 @@ Hook = Callable[[types.ModuleType], None]
 
 
 class _Loader(importlib.abc.Loader):
-    """Wraps a module's real loader; runs the hooks after the module body."""
+    """Wraps a module's real loader; runs the module's hooks after its body, once."""
 
-    def __init__(self, inner: importlib.abc.Loader, hooks: list[Hook]) -> None:
+    def __init__(self, inner: importlib.abc.Loader, hooks: dict[str, list[Hook]]) -> None:
         self.inner = inner
         self.hooks = hooks
 
@@ -35,7 +35,7 @@ class _Loader(importlib.abc.Loader):
 
     def exec_module(self, module: types.ModuleType) -> None:
         self.inner.exec_module(module)
-        for hook in self.hooks:
+        for hook in self.hooks.pop(module.__name__, ()):
             hook(module)
 
 
@@ -47,18 +47,18 @@ class _Finder(importlib.abc.MetaPathFinder):
 
     def find_spec(self, fullname: str, path: Sequence[str] | None = None,
                   target: types.ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
-        hooks = self.hooks.pop(fullname, None)
-        if hooks is None:
+        if fullname not in self.hooks:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
                 continue
             spec = finder.find_spec(fullname, path, target)
             if spec is not None and spec.loader is not None:
-                spec.loader = _Loader(spec.loader, hooks)
+                # the hooks stay registered until the module body has run: a spec that
+                # is only looked at (importlib.util.find_spec) and never loaded keeps them
+                spec.loader = _Loader(spec.loader, self.hooks)
                 return spec
-        self.hooks[fullname] = hooks  # not found: leave the import to fail as it would
-        return None
+        return None  # not found: the import fails as it would without us
 
 
 _FINDER = _Finder()

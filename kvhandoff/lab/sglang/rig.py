@@ -2,7 +2,8 @@
 
 :func:`deployment` starts what a user runs for one model and one transfer backend: a
 prefill and a decode server (started together, so their boots overlap) and
-``sglang-router`` in front; prefill keeps a transfer ledger (:mod:`.ledger`).
+``sglang-router`` in front; both record what they register, and prefill what it sends,
+in a ledger (:mod:`.ledger`).
 :func:`reference` starts the colocated server the tokens are compared with (without
 waiting for it, so that its boot overlaps the deployment's).
 :meth:`Deployment.send` sends one request through the router and returns decode's
@@ -119,16 +120,18 @@ class Deployment(Pair):
 
 
 def make_pair(model: str, backend: str, *, log_dir: str | os.PathLike[str],
-              python: str | os.PathLike[str] | None = None) -> Pair:
-    """Build (do not start) a prefill and a decode server on free ports, with a fresh
-    ledger in ``log_dir``."""
+              python: str | os.PathLike[str] | None = None,
+              ports: Sequence[int] | None = None) -> Pair:
+    """Build (do not start) a prefill and a decode server, with a fresh ledger in
+    ``log_dir``. ``ports``: prefill's HTTP and bootstrap ports and decode's (default:
+    free ones)."""
     py = python or sglang_python()
     path = ensure(model, py)
     logs = Path(log_dir)
     logs.mkdir(parents=True, exist_ok=True)
     book = logs / f"{model}-{backend}-ledger.jsonl"
     book.unlink(missing_ok=True)
-    pport, bport, dport = free_ports(3)
+    pport, bport, dport = ports or free_ports(3)
     shims, env = ("transfer_ledger",), {ledger.ENV: str(book)}
     p = SglangServer(model, path, Role.PREFILL, port=pport, bootstrap_port=bport,
                      backend=backend, python=py, shims=shims, env=env,
@@ -145,8 +148,8 @@ def deployment(model: str, backend: str, *, log_dir: str | os.PathLike[str],
     """Start a prefill and a decode server of ``model`` over ``backend`` and a router in
     front (all at once: the router waits for its workers itself), wait until all are
     ready (:func:`all_running`), yield the :class:`Deployment`, stop everything on exit."""
-    pair = make_pair(model, backend, log_dir=log_dir, python=python)
-    (rport,) = free_ports(1)
+    *ports, rport = free_ports(4)  # distinct: taken together
+    pair = make_pair(model, backend, log_dir=log_dir, python=python, ports=ports)
     router = Router([pair.prefill], [pair.decode], port=rport, python=python,
                     startup_timeout=timeout,
                     log_path=Path(log_dir) / f"{model}-{backend}-router.log")
