@@ -241,6 +241,7 @@ def test_ledger_splits_sglangs_accounting_per_component(tmp_path: Path) -> None:
     assert dict(got.components) == {"kv": 15 * 128, "swa": 3 * 96, "aux": 16}
     assert got.sglang_total_bytes == 15 * 128 + 3 * 96
     assert got.latency_s == 0.0025 and got.sender == "S"
+    assert got.lab_latency_s is not None and got.lab_latency_s >= 0
     assert ledger.transfers(tmp_path / "none.jsonl") == {}
 
 
@@ -250,7 +251,7 @@ def test_demo_fails_on_any_mismatch(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     from kvhandoff.lab.sglang import demo
 
     def rows(model: str, backends: list[str], lengths: list[int], **kw: object) -> list[demo.Row]:
-        return [demo.Row(model, b, n, {"kv": 10 * n, "aux": 8}, 10 * n, 1.0, 2.0, 3.0,
+        return [demo.Row(model, b, n, {"kv": 10 * n, "aux": 8}, 10 * n, 1.0, 0.5, 2.0, 3.0,
                          exact=(n != 600), trials=3) for b in backends for n in lengths]
 
     fake = tmp_path / "python"

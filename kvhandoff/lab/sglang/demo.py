@@ -12,10 +12,12 @@ through the router. One row per model, backend and length shows:
   per-page bytes of every KV buffer; state slots × slot bytes per state type; the aux
   row), split by component by the lab's ledger (:mod:`.ledger`); ``total`` is what
   SGLang reports (``KVTransferMetric.transfer_total_bytes``; it leaves out aux);
-* **transfer**: the latency SGLang reports for the transfer
-  (``sglang:kv_transfer_latency_ms``): the backend's own figure where it measures one,
-  else (Mooncake) the prefill scheduler's time from the last chunk's enqueue to the poll
-  that saw Success; median of the trials;
+* **transfer**: ``sglang ms`` is the latency SGLang reports for the transfer
+  (``sglang:kv_transfer_latency_ms``): the backend's own figure where it measures one
+  (first enqueue → Success), else (Mooncake) the prefill scheduler's time from the last
+  chunk's enqueue to the poll that saw Success. As that means different things for
+  different backends, ``lab ms`` times every backend the same way, in prefill's
+  scheduler: last chunk handed to the sender → the poll that saw Success. Medians;
 * **TTFT**: the client's clock, request sent → first streamed token; through the router
   it includes routing, prefill, the transfer and decode's first step; ``ref`` is the same
   against the colocated server; medians;
@@ -66,6 +68,7 @@ class Row:
     components: dict[str, int]
     sglang_total_bytes: int
     transfer_ms: float | None
+    lab_transfer_ms: float | None
     ttft_ms: float
     ref_ttft_ms: float
     exact: bool
@@ -91,6 +94,7 @@ def _measure(pd: Deployment, ref_url: str, length: int, prompts: Sequence[tuple[
     return Row(model=pd.model, backend=pd.backend, prompt_tokens=length,
                components=dict(first.components), sglang_total_bytes=first.sglang_total_bytes,
                transfer_ms=_median_ms([e.latency_s for _, e in got]),
+               lab_transfer_ms=_median_ms([e.lab_latency_s for _, e in got]),
                ttft_ms=1e3 * statistics.median(a.ttft_s for a, _ in got),
                ref_ttft_ms=1e3 * statistics.median(a.ttft_s for a in ref),
                exact=all(a.output_ids == r.output_ids for (a, _), r in zip(got, ref, strict=True)),
@@ -120,12 +124,13 @@ def format_rows(rows: Sequence[Row], *, header: bool = True) -> str:
         return "n/a" if v is None else f"{v:.1f}"
 
     lines = [f"{'model':<12} {'backend':<13} {'tokens':>6}  {'bytes per component':<40} "
-             f"{'total':>9} {'transfer ms':>11} {'TTFT ms':>8} {'ref ms':>7}  exact"] \
+             f"{'total':>9} {'sglang ms':>9} {'lab ms':>7} {'TTFT ms':>8} {'ref ms':>7}  exact"] \
         if header else []
     for r in rows:
         parts = ", ".join(f"{k} {human_size(v)}" for k, v in r.components.items())
         lines.append(f"{r.model:<12} {r.backend:<13} {r.prompt_tokens:>6}  {parts:<40} "
-                     f"{human_size(r.sglang_total_bytes):>9} {ms(r.transfer_ms):>11} "
+                     f"{human_size(r.sglang_total_bytes):>9} {ms(r.transfer_ms):>9} "
+                     f"{ms(r.lab_transfer_ms):>7} "
                      f"{ms(r.ttft_ms):>8} {ms(r.ref_ttft_ms):>7}  "
                      f"{'✓' if r.exact else '✗'} ({r.trials})")
     return "\n".join(lines)

@@ -18,13 +18,17 @@ scheduler's metric step, and appends JSON lines to ``$KVHANDOFF_SGLANG_LEDGER``:
   (``KVArgs``: KV item sizes, each ``state_types`` entry's, aux), per role;
 * a :class:`Transfer` per request prefill sent: the same accounting as SGLang's, split
   by component (``kv``, each state type, ``aux``), next to SGLang's total and the
-  latency SGLang reports, keyed by bootstrap room.
+  latency SGLang reports, keyed by bootstrap room. Because SGLang's latency means
+  different things for different backends, the ledger also times every backend the same
+  way (``lab_latency_s``): from the moment the scheduler hands the sender the request's
+  last chunk to the moment it sees the transfer succeed.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -59,13 +63,15 @@ class Transfer:
     ``components`` maps ``kv``, each state type (``swa``, ``mamba``, ...) and ``aux`` to
     bytes; ``sglang_total_bytes`` and ``latency_s`` are what SGLang reports for the
     transfer (``sglang:kv_transfer_total_mb`` and ``_latency_ms``; ``latency_s`` None
-    when SGLang had no figure)."""
+    when SGLang had no figure); ``lab_latency_s`` is the same clock for every backend:
+    last chunk handed to the sender → the scheduler saw Success."""
 
     room: int
     sender: str
     components: Mapping[str, int]
     sglang_total_bytes: int
     latency_s: float | None
+    lab_latency_s: float | None
 
 
 def _append(path: str | os.PathLike[str], record: Mapping[str, Any]) -> None:
@@ -119,6 +125,7 @@ def install_sender(conn: types.ModuleType) -> None:
     record, metric = cls._record_transfer_indices, cls.get_transfer_metric
 
     def record_indices(self: Any, kv_indices: Any, state_indices: Any) -> None:
+        self._kvh_ledger_last_send = time.perf_counter()  # CommonKVSender.send calls us
         record(self, kv_indices, state_indices)
         counts = self.__dict__.setdefault("_kvh_ledger_counts", {})
         counts["kv"] = counts.get("kv", 0) + len(kv_indices)
@@ -132,7 +139,8 @@ def install_sender(conn: types.ModuleType) -> None:
             "event": "transfer", "room": int(self.bootstrap_room),
             "sender": type(self).__name__,
             "components": _components(self, self.__dict__.get("_kvh_ledger_counts", {})),
-            "sglang_total_bytes": int(out.transfer_total_bytes or 0)}
+            "sglang_total_bytes": int(out.transfer_total_bytes or 0),
+            "last_send": self.__dict__.get("_kvh_ledger_last_send")}
         return out
 
     cls._record_transfer_indices = record_indices
@@ -148,9 +156,12 @@ def install_stats(stats: types.ModuleType, path: str | os.PathLike[str]) -> None
     compute = cls.compute_and_observe_kv_transfer_metrics
 
     def compute_and_observe(self: Any, transfer_metric: Any) -> Any:
+        done = time.perf_counter()  # the inflight queue's poll has just seen Success
         result = compute(self, transfer_metric)
         line = _pending.pop(id(transfer_metric), None)
         if line is not None:
+            last_send = line.pop("last_send")
+            line["lab_latency_s"] = None if last_send is None else done - last_send
             latency_ms = (result or {}).get("latency_ms")
             line["latency_s"] = None if latency_ms is None else float(latency_ms) / 1e3
             _append(path, line)
@@ -173,7 +184,8 @@ def transfers(path: str | os.PathLike[str]) -> dict[int, Transfer]:
     return {int(d["room"]): Transfer(
         room=int(d["room"]), sender=str(d["sender"]),
         components={k: int(v) for k, v in d["components"].items()},
-        sglang_total_bytes=int(d["sglang_total_bytes"]), latency_s=d["latency_s"])
+        sglang_total_bytes=int(d["sglang_total_bytes"]), latency_s=d["latency_s"],
+        lab_latency_s=d["lab_latency_s"])
         for d in _records(path, "transfer")}
 
 
