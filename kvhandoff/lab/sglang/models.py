@@ -154,7 +154,8 @@ def _get(name: str) -> TinyModel:
 def build(name: str, root: Path | None = None) -> Path:
     """Build ``name``'s checkpoint unless its directory exists, and return the directory.
     Needs torch and transformers. Written into a temporary sibling and renamed, so a
-    crash never leaves a half-written checkpoint where a server would load it."""
+    crash never leaves a half-written checkpoint where a server would load it, and two
+    processes building the same recipe at once both end with the one directory."""
     out = model_dir(name, root)
     if (out / "config.json").exists():
         return out
@@ -177,7 +178,12 @@ def build(name: str, root: Path | None = None) -> Path:
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         with contextlib.suppress(FileNotFoundError):
             (tmp / "generation_config.json").unlink()  # SGLang would read sampling defaults
-        os.replace(tmp, out)
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            if not (out / "config.json").exists():
+                raise
+            shutil.rmtree(tmp)  # another process built the same recipe meanwhile: same bytes
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
