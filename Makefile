@@ -9,7 +9,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvhandoff-installed
 
 .PHONY: demo docs test lint typecheck unit gpu-check bench-planner bench-session bench-transport bench-vllm venv system-deps engines clean \
-	vllm-venv demo-vllm sweep soak test-stress test-stress-faults
+	vllm-venv demo-vllm sglang-venv demo-sglang sweep soak test-stress test-stress-faults
 
 venv: $(STAMP)
 
@@ -109,6 +109,46 @@ $(VLLM_STAMP): pyproject.toml
 	  assert NixlWrapper is not None, 'NIXL does not import'"
 	@touch $@
 
+# A third virtualenv, for the SGLang lab (tests/e2e/test_sglang.py, demo-sglang): SGLang
+# pins its own torch (2.14.1), transformers and a stack of CUDA kernels, so it cannot share
+# .venv, and its full requirements do not install on a CPU host. So, scripted here:
+# * torch 2.13.0 first (the local CPU build), then sglang --no-deps, then only what its
+#   CPU path imports, pinned (scripts/sglang-requirements.txt: the real triton and
+#   apache-tvm-ffi, xgrammar, openai, the Mooncake wheel for the mooncake_tcp baseline,
+#   sglang-router). --no-warn-conflicts: sglang's metadata lists what is left out on
+#   purpose (flashinfer, sgl-kernel, torch 2.14.1...), so pip's conflict report is noise.
+# * torchvision and sgl_kernel have no CPU build here: the lab stands in for them (and
+#   applies its CPU shims) only in the processes it launches, through
+#   kvhandoff/lab/sglang/site/sitecustomize.py; nothing is installed for them.
+# * kvhandoff editable, --no-deps (SGLang's pins win), then its runtime requirements as
+#   pyproject.toml lists them.
+# The check imports the scheduler and the HTTP server the way the lab runs them.
+SGLANG_VENV  ?= .venv-sglang
+SGLANG_BIN   := $(SGLANG_VENV)/bin
+SGLANG_STAMP := $(SGLANG_VENV)/.kvhandoff-installed
+SGLANG_VERSION := 0.5.23
+SGLANG_REQUIREMENTS := scripts/sglang-requirements.txt
+SGLANG_LAB_ENV := PYTHONPATH=$(CURDIR)/kvhandoff/lab/sglang/site:$(CURDIR) \
+	KVHANDOFF_SGLANG_SHIMS=standins,mooncake_cpu SGLANG_USE_CPU_ENGINE=1 SGLANG_PLUGINS=,
+
+sglang-venv: $(SGLANG_STAMP)
+
+$(SGLANG_STAMP): pyproject.toml $(SGLANG_REQUIREMENTS)
+	@test -x $(SGLANG_BIN)/python || $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_BIN)/python -m pip install -q --upgrade pip
+	$(SGLANG_BIN)/python -m pip install -q 'torch==2.13.0'
+	$(SGLANG_BIN)/python -m pip install -q --no-deps 'sglang==$(SGLANG_VERSION)'
+	$(SGLANG_BIN)/python -m pip install -q --no-warn-conflicts -r $(SGLANG_REQUIREMENTS)
+	$(SGLANG_BIN)/python -m pip install -q --no-deps -e .
+	$(SGLANG_BIN)/python -c "import tomllib; \
+	  print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
+	  > $(SGLANG_VENV)/kvhandoff-requirements.txt
+	$(SGLANG_BIN)/python -m pip install -q --no-warn-conflicts \
+	  -r $(SGLANG_VENV)/kvhandoff-requirements.txt
+	$(SGLANG_LAB_ENV) $(SGLANG_BIN)/python -c "import sglang.srt.managers.scheduler, \
+	  sglang.srt.entrypoints.http_server, sglang_router, mooncake, kvhandoff"
+	@touch $@
+
 engines: $(STAMP)
 
 demo: $(STAMP)
@@ -130,6 +170,11 @@ demo-vllm: $(STAMP) $(VLLM_STAMP)
 docs: $(STAMP)
 	$(BIN)/mkdocs build --strict --site-dir site
 
+# Real SGLang prefill and decode servers behind sglang-router (.venv-sglang), per transfer
+# backend, against a colocated SGLang run: tokens, bytes, transfer time, TTFT.
+demo-sglang: $(STAMP) $(SGLANG_STAMP)
+	$(BIN)/kvhandoff demo-sglang
+
 test: lint typecheck unit
 
 lint: $(STAMP)
@@ -138,16 +183,18 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-unit: $(STAMP) $(VLLM_STAMP)
+unit: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP)
 	$(BIN)/python -m pytest -q
 
-# The fault, conformance and end-to-end suites (the vLLM servers aside) STRESS_RUNS times in
-# a row while CPU hogs keep every core busy: no test may lean on an idle machine.
+# The fault, conformance and end-to-end suites (the vLLM and SGLang servers aside)
+# STRESS_RUNS times in a row while CPU hogs keep every core busy: no test may lean on an
+# idle machine.
 STRESS_RUNS ?= 3
 test-stress: $(STAMP)
 	$(BIN)/python -m kvhandoff.lab.testing.hogs --runs $(STRESS_RUNS) -- \
 	  $(BIN)/python -m pytest -q -p no:cacheprovider tests/faults tests/conformance tests/e2e \
-	  --ignore=tests/e2e/test_vllm.py --ignore=tests/e2e/test_vllm_worker.py
+	  --ignore=tests/e2e/test_vllm.py --ignore=tests/e2e/test_vllm_worker.py \
+	  --ignore=tests/e2e/test_sglang.py
 
 # The part of test-stress CI runs (.ci/run): the fault suite once under the hogs, with its
 # soak at the make-test length, so a timing assumption in a fault test cannot land.

@@ -127,6 +127,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "TTFT and tokens against a local run.")
     add_demo_vllm_arguments(demo_vllm)
 
+    from kvhandoff.lab.sglang.demo import add_arguments as add_demo_sglang_arguments
+
+    demo_sglang = sub.add_parser(
+        "demo-sglang", help="real SGLang prefill and decode servers, per transfer backend",
+        description="Start a colocated SGLang server and, per transfer backend, SGLang "
+                    "prefill and decode servers behind sglang-router (tiny models, "
+                    ".venv-sglang); stream prompts through and show bytes per component, "
+                    "transfer time, TTFT and whether decode's tokens equal the colocated "
+                    "run's.")
+    add_demo_sglang_arguments(demo_sglang)
+
     status = sub.add_parser(
         "status", help="a live view of a deployment: its bootstrap's instances and agents",
         description="Show the bootstrap server's instances and ranks and, from the agents' "
@@ -198,6 +209,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvhandoff.lab.vllm.demo import run_main as run_demo_vllm
 
         return run_demo_vllm(args)
+    if args.command == "demo-sglang":
+        from kvhandoff.lab.sglang.demo import run_main as run_demo_sglang
+
+        return run_demo_sglang(args)
     parser.print_help()
     return 0
 
