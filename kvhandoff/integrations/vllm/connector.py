@@ -69,6 +69,7 @@ from kvhandoff.integrations.vllm.worker import AuxRows, WorkerSide
 from kvhandoff.layout import Region
 from kvhandoff.session.config import SessionConfig
 from kvhandoff.session.request.receiver import bootstrap_url
+from kvhandoff.sharding import mamba2_groups
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -270,7 +271,6 @@ class KvhandoffConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
 
 _MAMBA_KINDS = {"MAMBA1": "mamba1", "MAMBA2": "mamba2", "GDN_ATTN": "gdn"}
-_N_GROUPS = ("mamba_n_groups", "n_groups", "ssm_n_groups", "mamba_ngroups")
 
 
 def _mamba(spec: object, hf: Any) -> MambaInfo | None:
@@ -281,7 +281,7 @@ def _mamba(spec: object, hf: Any) -> MambaInfo | None:
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 
     name = getattr(spec.mamba_type, "name", str(spec.mamba_type))
-    groups = next((int(getattr(hf, a)) for a in _N_GROUPS if getattr(hf, a, None)), 0)
+    groups = mamba2_groups(hf) or 0
     return MambaInfo(kind=_MAMBA_KINDS.get(name, name.lower()),
                      shapes=tuple(tuple(int(d) for d in s) for s in spec.shapes),
                      itemsizes=tuple(torch.empty(0, dtype=d).element_size()
