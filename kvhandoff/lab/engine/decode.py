@@ -26,10 +26,9 @@ from kvhandoff.lab.engine.codecs import Key, RowArray, Series
 from kvhandoff.lab.engine.instance import (
     AUX_KEY,
     VALID_FROM_KEY,
-    Aux,
     Instance,
     Snapshot,
-    guard_of,
+    unpack_aux,
 )
 from kvhandoff.lab.engine.lists import component_lists
 from kvhandoff.lab.engine.pools import PoolConfig
@@ -120,7 +119,7 @@ class DecodeInstance(Instance):
                 self.corrupt(t, corrupt)
             slot = np.array([t.req.slot], dtype=np.int64)
             aux_row, agree = self.read(AUX_KEY, slot)
-            aux, problem = Aux.unpack(aux_row, guard_of(rid))
+            aux, problem = unpack_aux(aux_row, rid)
             if aux is None:
                 return DecodeOutcome(tokens=[], snapshot={}, replicas_agree=agree,
                                      problem=f"request {rid}: {problem}")

@@ -30,10 +30,9 @@ from kvhandoff.lab.engine.codecs import Series
 from kvhandoff.lab.engine.instance import (
     AUX_KEY,
     VALID_FROM_KEY,
-    Aux,
     Instance,
     Snapshot,
-    guard_of,
+    pack_aux,
 )
 from kvhandoff.lab.engine.lists import component_lists
 from kvhandoff.lab.engine.pools import CHUNKED_TYPES, PoolConfig
@@ -130,8 +129,7 @@ class PrefillInstance(Instance):
         slot = np.array([req.slot], dtype=np.int64)
         first = int(logits.argmax())
         logprob = float(torch.log_softmax(logits.float(), -1)[first])
-        aux = Aux(first_token=first, first_logprob=logprob)
-        self.write(AUX_KEY, slot, aux.pack(self.global_row_bytes(AUX_KEY), guard_of(rid)))
+        self.write(AUX_KEY, slot, pack_aux(rid, first, logprob, self.global_row_bytes(AUX_KEY)))
         if self.has(VALID_FROM_KEY):
             valid = np.array([[max(0, n - self.arch.window + 1)]], dtype=np.int64)
             self.write(VALID_FROM_KEY, slot, valid.view(np.uint8))
