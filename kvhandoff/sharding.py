@@ -207,18 +207,15 @@ def kda_conv(proj: int, proj_k: int) -> ConvSplit:
     return ConvSplit(kind=ConvKind.KDA, blocks=(proj, proj_k, proj_k))
 
 
-def conv_shard(split: ConvSplit, *, kernel_rows: int, dtype_bytes: int,
-               dim_first: bool = True) -> ShardSpec:
-    """The ShardSpec of one conv slot: ``(channels, kernel_rows)`` when ``dim_first``
-    (an item is one row of units, each ``unit·kernel_rows`` values), else
-    ``(kernel_rows, channels)`` (``kernel_rows`` outer rows of units)."""
-    if kernel_rows < 1 or dtype_bytes < 1:
-        raise LayoutError(f"{split.kind.value} conv: kernel rows {kernel_rows} and dtype "
-                          f"bytes {dtype_bytes} must be positive")
-    if dim_first:
-        return ShardSpec(outer=1, groups=split.blocks,
-                         inner_bytes=split.unit * kernel_rows * dtype_bytes)
-    return ShardSpec(outer=kernel_rows, groups=split.blocks, inner_bytes=split.unit * dtype_bytes)
+def conv_shard(split: ConvSplit, *, channel_bytes: int, outer_rows: int = 1) -> ShardSpec:
+    """The ShardSpec of one conv slot: ``outer_rows`` rows of ``split``'s channels,
+    ``channel_bytes`` per channel in a row. A ``(channels, K-1)`` slot is one row of
+    channels of ``(K-1)·dtype`` bytes each; a transposed ``(K-1, channels)`` slot is
+    ``K-1`` rows of ``dtype``-byte channels."""
+    if channel_bytes < 1 or outer_rows < 1:
+        raise LayoutError(f"{split.kind.value} conv: channel bytes {channel_bytes} and outer "
+                          f"rows {outer_rows} must be positive")
+    return ShardSpec(outer=outer_rows, groups=split.blocks, inner_bytes=split.unit * channel_bytes)
 
 
 def ssm_shard(heads: int, head_bytes: int) -> ShardSpec:

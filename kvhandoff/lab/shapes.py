@@ -660,9 +660,9 @@ class _Builder:
         """All conv slots, then all SSM slots (sglang's tensor-major order)."""
         s = self.s
         layers = [i for i in s.layer_ids(*_LINEAR) if i in mine]
-        conv = conv_shard(s.conv_split, kernel_rows=s.conv_kernel - 1,
-                          dtype_bytes=s.conv_dtype_bytes,
-                          dim_first=not s.has(LayerKind.KDA))  # KDA: (K-1, channels)
+        rows, c = s.conv_kernel - 1, s.conv_dtype_bytes
+        conv = (conv_shard(s.conv_split, channel_bytes=c, outer_rows=rows)  # (K-1, channels)
+                if s.has(LayerKind.KDA) else conv_shard(s.conv_split, channel_bytes=rows * c))
         if s.has(*_M2) and self.tp[1] > s.mamba_groups:
             raise LayoutError(
                 f"{s.name}: TP {self.tp[1]} exceeds the {s.mamba_groups} Mamba2 groups; padded "

@@ -91,7 +91,7 @@ def test_every_engine_reads_every_group_spelling(name: str) -> None:
 def test_gdn_conv_cuts_q_k_and_v_each_on_its_own(tp: int) -> None:
     split = gdn_conv(64, 256)
     assert split.kind is ConvKind.GDN and split.blocks == (64, 64, 256)
-    spec = conv_shard(split, kernel_rows=3, dtype_bytes=2)
+    spec = conv_shard(split, channel_bytes=3 * 2)
     assert (spec.outer, spec.inner_bytes) == (1, 3 * 2)
     for r in range(tp):
         assert _positions(spec, 1, r, tp) == _engine_channels((64, 64, 256), r, tp)
@@ -101,7 +101,7 @@ def test_gdn_conv_cuts_q_k_and_v_each_on_its_own(tp: int) -> None:
 def test_mamba2_whole_groups_replicate_when_tp_exceeds_them(tp: int) -> None:
     split = mamba2_conv(256, 2, 32)
     assert split.blocks == (8, 2, 2) and split.unit == 32 and split.channels == 384
-    spec = conv_shard(split, kernel_rows=3, dtype_bytes=4)
+    spec = conv_shard(split, channel_bytes=3 * 4)
     assert spec.inner_bytes == 32 * 3 * 4
     for r in range(tp):
         assert _positions(spec, 32, r, tp) == _engine_channels(
@@ -117,7 +117,7 @@ def test_mamba2_in_channels_is_the_catalogues_form() -> None:
 def test_kda_is_stored_transposed() -> None:
     split = kda_conv(128, 64)
     assert split.blocks == (128, 64, 64)
-    spec = conv_shard(split, kernel_rows=3, dtype_bytes=2, dim_first=False)
+    spec = conv_shard(split, channel_bytes=2, outer_rows=3)
     assert (spec.outer, spec.inner_bytes) == (3, 2)
 
 

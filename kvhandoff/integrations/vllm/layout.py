@@ -107,8 +107,9 @@ def mamba_states(m: MambaInfo, tp_size: int) -> tuple[StatePart, ...] | str:
         return str(e)
     if split.channels != dim * tp_size and m.kind != "mamba2":  # mamba2: B/C may be extended
         return f"{m.kind} conv dim {dim} does not split into {split.blocks} x {split.unit}"
-    conv_spec = conv_shard(split, kernel_rows=rows, dtype_bytes=m.itemsizes[0],
-                           dim_first=m.conv_dim_first)
+    c = m.itemsizes[0]
+    conv_spec = (conv_shard(split, channel_bytes=rows * c) if m.conv_dim_first
+                 else conv_shard(split, channel_bytes=c, outer_rows=rows))
     return (StatePart("conv", offsets[0], sizes[0], conv_spec),
             StatePart("ssm", offsets[1], sizes[1], ssm_spec))
 
