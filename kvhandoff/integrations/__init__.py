@@ -23,6 +23,8 @@ Figures (:mod:`kvhandoff.observe.figures`)
     any Prometheus registry.
 Hooks (:mod:`.hooks`)
     ``HandoffHook``, ``load_hook``: the one place test rigs attach.
+Rendezvous (:mod:`.registry`)
+    ``registry_app``: kvhandoff's registry, for an engine's own HTTP server to host.
 Odds and ends
     ``Transport``, ``CUDA_STAGED_ONLY`` (transports that move host memory only),
     ``coalesce_runs`` (sorted ids as runs), ``HandshakeError``, ``LocalProtocolError``.
@@ -40,6 +42,7 @@ from kvhandoff.integrations.outcomes import (
     quiet,
 )
 from kvhandoff.integrations.rank import How, Placement, open_rank, open_transport, placement
+from kvhandoff.integrations.registry import registry_app
 from kvhandoff.observe.figures import SUCCESS, Figures, figures, measure
 from kvhandoff.observe.metrics import HANDOFF_SERIES, Series, record
 from kvhandoff.plan.runs import runs as coalesce_runs
@@ -88,5 +91,6 @@ __all__ = [
     "placement",
     "quiet",
     "record",
+    "registry_app",
     "route_dp",
 ]

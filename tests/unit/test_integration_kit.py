@@ -26,7 +26,7 @@ FACE = [
     "LocalProtocolError", "Outcome", "Placement", "Receiver", "Role", "Row", "Sender",
     "Series", "SessionConfig", "Status", "Transport", "bootstrap_url", "coalesce_runs",
     "figures", "kvpoll", "load_hook", "measure", "open_rank", "open_transport", "outcome",
-    "placement", "quiet", "record", "route_dp",
+    "placement", "quiet", "record", "registry_app", "route_dp",
 ]
 
 PUBLIC = {"kvhandoff.integrations", "kvhandoff.layout", "kvhandoff.state_types",
