@@ -40,7 +40,7 @@ def test_the_face_is_pinned() -> None:
         assert getattr(kit, name) is not None, name
 
 
-@pytest.mark.parametrize("adapter", ["vllm"])
+@pytest.mark.parametrize("adapter", ["vllm", "sglang"])
 def test_adapters_reach_only_public_faces(adapter: str) -> None:
     """An adapter translates its engine's API; everything else it takes from the kit's
     face or the model modules, never from a private module of the library."""
