@@ -31,6 +31,7 @@ import pytest
 
 from kvhandoff.lab.testing.sglang_pools import REPO_ROOT, Result, run_handoff, sglang_python
 from kvhandoff.lab.vllm.serve import free_ports
+from kvhandoff.secret import write_secret_file
 
 PY = sglang_python()
 pytestmark = [pytest.mark.sglang,
@@ -60,6 +61,8 @@ def test_the_plugin_resolves_kvhandoff_and_leaves_mooncake_and_nixl_alone() -> N
         "receiver": f"{ours}KVReceiver", "bootstrap_server": f"{ours}KVBootstrapServer"}
     assert got["prefill_module"] == f"{ours}KVSender"
     assert got["decode_module"] == f"{ours}KVReceiver"
+    # a CPU sender must not ask prefill for pinned host index tensors and CUDA events
+    assert got["host_tensor_indices"] is False
     for backend, prefix in (("mooncake", "Mooncake"), ("nixl", "Nixl")):
         assert got[backend]["sender"] == \
             f"sglang.srt.disaggregation.{backend}.conn.{prefix}KVSender"
@@ -129,6 +132,20 @@ def test_a_pair_whose_pools_differ_is_refused_at_registration(tmp_path: Path) ->
     assert "kvhandoff refuses this prefill/decode pair" in decode.reason
     assert "component 'kv' tensor 'k' layer 0" in decode.reason and \
         "prefill item 256 B vs decode item 512 B" in decode.reason, decode.reason
+
+
+def test_with_a_deployment_secret_only_its_holders_hand_off(tmp_path: Path) -> None:
+    """With ``KVHANDOFF_SECRET_FILE`` the registry, the control plane and the data plane
+    are keyed as everywhere in kvhandoff: a pair holding the secret hands off byte-exact;
+    a decode without it is refused, and says why."""
+    secret = write_secret_file(tmp_path / "secret")
+    keyed = {"KVHANDOFF_SECRET_FILE": secret}
+    _exact(_handoff(tmp_path / "keyed", family="mha", env=keyed))
+    got = _handoff(tmp_path / "stranger", family="mha", env=keyed,
+                   decode_env={"KVHANDOFF_SECRET_FILE": ""})
+    decode = got[("decode", 0)]
+    assert decode is not None and decode.status == FAILED, decode
+    assert "KVHANDOFF_SECRET_FILE" in decode.reason and "not authenticated" in decode.reason
 
 
 @pytest.mark.parametrize(("scenario", "failed", "dead", "words", "decode_env"), [

@@ -41,6 +41,7 @@ parallelism, host KV destinations, state types :mod:`.layout` names as refused.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import importlib.metadata
 import json
@@ -70,6 +71,7 @@ from sglang.srt.utils.network import NetworkAddress
 from kvhandoff.errors import LayoutError
 from kvhandoff.integrations import (
     KVPOLL,
+    Agent,
     AuxSpec,
     Figures,
     HandshakeError,
@@ -161,20 +163,39 @@ def session_config() -> SessionConfig:
 class KvhandoffKVManager(CommonKVManager):  # type: ignore[misc]
     """One SGLang rank: its kvhandoff agent (see the module docstring)."""
 
+    _agent: Agent | None = None
+
     def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode,
                  server_args: ServerArgs, is_mla_backend: bool | None = False) -> None:
-        super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
-        if self.pp_size > 1:
-            raise LayoutError(f"kvhandoff's SGLang backend moves no pipeline-parallel "
-                              f"state yet (PP {self.pp_size}); run PP 1 on both sides")
         self.config = session_config()
         self.senders: dict[int, _Outgoing] = {}
         self.refusals: dict[str, str] = {}  # decode: bootstrap address -> handshake refusal
         self.handshaken: set[str] = set()
         self.types = [s.type for s in registered(args).states]
-        self.agent = self._open(args, server_args, bool(is_mla_backend))
+        self._opening = (args, server_args, bool(is_mla_backend))
+        super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+        if self._agent is None:  # decode (prefill opened it on registering)
+            self._agent = self._open(*self._opening)
+        atexit.register(self.close)  # deregister and close sockets when the process ends
 
-    def _open(self, args: KVArgs, server_args: ServerArgs, mla: bool) -> Any:
+    def register_to_bootstrap(self) -> None:
+        """Prefill: open the rank's agent, which registers with kvhandoff's registry, then
+        register in SGLang's ``/route`` table: once decode sees the prefill deployment
+        complete there, kvhandoff's handshake finds every rank."""
+        if self.pp_size > 1:
+            raise LayoutError(f"kvhandoff's SGLang backend moves no pipeline-parallel "
+                              f"state yet (PP {self.pp_size}); run PP 1 on both sides")
+        self._agent = self._open(*self._opening)
+        super().register_to_bootstrap()
+
+    @property
+    def agent(self) -> Agent:
+        """The rank's kvhandoff agent."""
+        if self._agent is None:
+            raise RuntimeError("the kvhandoff agent is not open yet")
+        return self._agent
+
+    def _open(self, args: KVArgs, server_args: ServerArgs, mla: bool) -> Agent:
         prefill = self.disaggregation_mode == DisaggregationMode.PREFILL
         cuda = get_device().device == "cuda"
         where = placement(self.config.transport, producer=prefill, cuda=cuda,
@@ -243,8 +264,10 @@ class KvhandoffKVManager(CommonKVManager):  # type: ignore[misc]
         out.send(kv_indices, is_last_chunk, aux_index, state_indices, self.types)
 
     def close(self) -> None:
-        """Close the agent (its transport, sockets, threads); idempotent."""
-        self.agent.close()
+        """Close the agent (its transport, sockets, threads; prefill: deregister);
+        idempotent."""
+        if self._agent is not None:
+            self._agent.close()
 
 
 def registry_url(bootstrap_addr: str) -> str:

@@ -44,6 +44,8 @@ def _classes() -> dict[str, Any]:
         report["kvhandoff"] = names(get_kv_class, "kvhandoff")
         report["prefill_module"] = names(prefill_mod.get_kv_class, "kvhandoff")["sender"]
         report["decode_module"] = names(decode_mod.get_kv_class, "kvhandoff")["receiver"]
+        sender = get_kv_class(TransferBackend("kvhandoff"), KVClassType.SENDER)
+        report["host_tensor_indices"] = sender.supports_host_tensor_indices
     for backend in ("mooncake", "nixl"):
         report[backend] = names(get_kv_class, backend)
     return report
