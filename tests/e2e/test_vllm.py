@@ -237,7 +237,7 @@ def test_a_mismatched_decode_is_refused_at_start_up(pair: Pair, tmp_path: Path) 
         pytest.skip("one model is enough for the refusal")
     (port,) = free_ports(1)
     d = VllmServer(pair.model, port, log_path=tmp_path / "decode.log",
-                   kv_transfer_config=_kv("kv_consumer", pair.bootstrap),
+                   kv_transfer_config=_kv("kv_consumer", pair.bootstrap, pair.dump),
                    extra_args=["--block-size", "64"],
                    env={"VLLM_CPU_OMP_THREADS_BIND": "1"})
     try:
@@ -263,19 +263,19 @@ def test_a_decode_request_aborted_mid_load_frees_its_blocks(pair: Pair) -> None:
                     kv_transfer_params={"do_remote_decode": True})
     params = dict(pre["kv_transfer_params"])  # type: ignore[arg-type]
     params["kvh_request_id"] = f"never-sent-{uuid.uuid4()}"  # prefill writes nothing
-    aborted = _metric(pair.decode, "kvhandoff:handoffs_total", role="decode",
-                      outcome="RequestAborted")
+    aborted = _metric(pair.decode, "kvhandoff_failures_total", role="decode",
+                      reason="RequestAborted")
     with pytest.raises(OSError):  # the client gives up: urllib's timeout
         post_json(pair.decode.url + "/v1/completions",
                   {"model": pair.model, "prompt": PROMPTS[2], "max_tokens": MAX_TOKENS,
                    "temperature": 0, "kv_transfer_params": params}, timeout=3)
     _settled(pair.decode)
     deadline = time.monotonic() + 60
-    while _metric(pair.decode, "kvhandoff:handoffs_total", role="decode",
-                  outcome="RequestAborted") == aborted and time.monotonic() < deadline:
+    while _metric(pair.decode, "kvhandoff_failures_total", role="decode",
+                  reason="RequestAborted") == aborted and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert _metric(pair.decode, "kvhandoff:handoffs_total", role="decode",
-                   outcome="RequestAborted") == aborted + 1
+    assert _metric(pair.decode, "kvhandoff_failures_total", role="decode",
+                   reason="RequestAborted") == aborted + 1
     local, handed, _ = _handoff(pair, PROMPTS[0])
     assert handed == local
 
@@ -319,7 +319,7 @@ def test_heterogeneous_tp(kind: str, ptp: int, dtp: int, tmp_path: Path) -> None
         return "|".join(str((first + i) % cores) for i in range(tp))
 
     servers = [VllmServer(model, port, log_path=tmp_path / f"{role}.log",
-                          kv_transfer_config=_kv(f"kv_{role}", url),
+                          kv_transfer_config=_kv(f"kv_{role}", url, tmp_path / "dump.jsonl"),
                           extra_args=["--tensor-parallel-size", str(tp),
                                       *SERVE_ARGS.get(kind, ())],
                           env={**env, "VLLM_CPU_OMP_THREADS_BIND": bind(tp, first)})
