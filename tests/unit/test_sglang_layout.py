@@ -236,6 +236,8 @@ def test_state_types_kvhandoff_cannot_move_are_refused_by_name() -> None:
     with pytest.raises(LayoutError, match=r"'dsa_tail' \(the DSA kpool-compress tail ring.*"
                                           r"'minimax_index_k' \(MiniMax sparse index-K"):
         _layout(reg)
+    with pytest.raises(LayoutError, match=r"DeepSeek-V4's compressed KV pools .* \[0, 4, 128\]"):
+        _layout(replace(_reg("deepseek_v2"), compression_ratios=(0, 4, 128, 4)))
     odd = replace(_reg("llama"), kv_item_lens=(63, 64, 64, 64))
     with pytest.raises(LayoutError, match=r"kv tensor 'k' layer 0: a page of 63 B is not 1 "
                                           r"tokens x 2 heads"):

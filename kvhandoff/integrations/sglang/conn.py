@@ -128,7 +128,8 @@ def registered(args: KVArgs, *, is_mla: bool = False) -> Registered:
         start_layer=int(getattr(args, "prefill_start_layer", 0) or 0),
         aux_ptrs=tuple(args.aux_data_ptrs), aux_lens=tuple(args.aux_data_lens),
         aux_item_lens=tuple(args.aux_item_lens), states=states,
-        kv_cache_dtype=str(args.kv_cache_dtype_str), is_mla=is_mla)
+        kv_cache_dtype=str(args.kv_cache_dtype_str), is_mla=is_mla,
+        compression_ratios=tuple(getattr(args, "mla_compression_ratios", None) or ()))
 
 
 def _at(lists: list[list[Any]], k: int) -> list[Any]:

@@ -119,6 +119,7 @@ class Registered:
     states: tuple[StateEntry, ...] = ()
     kv_cache_dtype: str = "auto"
     is_mla: bool = False
+    compression_ratios: tuple[int, ...] = ()  # DeepSeek-V4: its KV list is by buffer type
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -144,6 +145,10 @@ def describe(reg: Registered, *, tp_rank: int, tp_size: int, mamba2: Mamba2Dims 
     ``memory`` (of GPU ``device``); the metadata buffers in host memory, as SGLang keeps
     them. Raises :class:`~kvhandoff.errors.LayoutError` naming the component, tensor and
     numbers when the buffers do not fit the rules above."""
+    if reg.compression_ratios:
+        raise LayoutError(
+            f"kvhandoff cannot describe DeepSeek-V4's compressed KV pools yet (KVArgs lists "
+            f"them by buffer type, compression ratios {sorted(set(reg.compression_ratios))})")
     ident = dict(identity)
     types = [s.type for s in reg.states]
     refused = [t for t in types if t not in STATE_TYPES]
