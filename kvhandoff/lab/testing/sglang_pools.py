@@ -1,14 +1,15 @@
 """One SGLang rank's side of a handoff through the ``kvhandoff`` backend, on SGLang's own
 memory pools built on CPU (lab only; run with SGLang's interpreter, ``.venv-sglang``).
 
-``python -m kvhandoff.lab.testing.sglang_pools CASE_JSON`` runs one rank (a
-:class:`Case`) in its own process, as SGLang's scheduler would: it publishes the rank's
+``python -m kvhandoff.lab.testing.sglang_pools CASES_JSON`` imports SGLang once and forks
+one process per rank (a :class:`Case`), which runs as SGLang's scheduler would: it
+publishes the rank's
 server arguments, builds the family's real pools (``MHATokenToKVPool``,
 ``MLATokenToKVPool``, ``SWAKVPool``, ``MambaPool`` in a ``HybridLinearKVPool``,
 ``DSATokenToKVPool``) and metadata buffers, fills ``KVArgs`` from them with SGLang's own
 functions, makes the backend's manager (prefill rank 0 also runs the bootstrap server),
-and drives a Sender or a Receiver through SGLang's calls. It prints one JSON line
-(:class:`Result`).
+and drives a Sender or a Receiver through SGLang's calls. It leaves its
+:class:`Result` in the shared directory (:func:`run_handoff` collects them).
 
 Prefill fills every byte it registers with a pattern of (rank, tensor, offset), identical
 across ranks for replicated tensors, and writes its layout where decode finds it. Decode,
@@ -20,6 +21,7 @@ checks that the comparison finds exactly that byte: the check cannot pass vacuou
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import subprocess
@@ -64,6 +66,7 @@ class Case(msgspec.Struct, frozen=True, kw_only=True):
     flip: bool = False  # prefill: flip a source byte on the wire (SourceFlippingTcp)
     scenario: str = "ok"  # see SCENARIOS
     decode_head_dim: int = 16  # decode's pool (another size: a pair that must be refused)
+    env: dict[str, str] = {}  # this rank's environment beside the launcher's
     timeout: float = 120.0
 
 
@@ -443,24 +446,32 @@ def _verify(case: Case, mgr: Any, state: int) -> Result:
                   wrong=wrong, untouched_changed=untouched, flipped_found=found)
 
 
-def main(argv: list[str]) -> int:
-    case = msgspec.json.decode(argv[0].encode(), type=Case)
+def _prepare() -> None:
+    """What every rank needs before its own work, done once in the launcher (its ranks
+    are forked from it, so each skips importing torch and SGLang again)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
     from kvhandoff.lab.testing.sglang_cpu import install
 
     install()
-    if case.flip:
-        from kvhandoff.transport.registry import register_transport
-
-        register_transport("tcp-flip", "kvhandoff.lab.testing.faulty:SourceFlippingTcp")
-        os.environ["KVHANDOFF_TRANSPORT"] = "tcp-flip"
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     from kvhandoff.integrations.sglang.plugin import register
+    from kvhandoff.transport.registry import register_transport
 
     register()
     HookRegistry.apply_hooks()
+    register_transport("tcp-flip", "kvhandoff.lab.testing.faulty:SourceFlippingTcp")
+    for module in ("sglang.srt.disaggregation.common.conn", "sglang.srt.mem_cache.memory_pool",
+                   "sglang.srt.mem_cache.swa_memory_pool", "sglang.srt.server_args"):
+        importlib.import_module(module)
+
+
+def run_rank(case: Case) -> Result:
+    """One rank, in this process (prepared): publish, make the manager, hand off."""
+    os.environ.update(case.env)
+    if case.flip:
+        os.environ["KVHANDOFF_TRANSPORT"] = "tcp-flip"
     sa = _publish(case)
     mgr, _keep, server = _manager(case, sa)
     try:
@@ -471,11 +482,43 @@ def main(argv: list[str]) -> int:
         mgr.close()
         if server is not None:
             server.close()
-    print("RESULT " + msgspec.json.encode(result).decode(), flush=True)
+    return result
+
+
+def _fork(case: Case) -> int:
+    """A child process running ``case``; its log and result go to files in ``work``."""
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        name = Path(case.work, f"{case.role}{case.tp_rank}")
+        with open(f"{name}.log", "w") as log:
+            os.dup2(log.fileno(), 2)
+            logging.getLogger().handlers[0].setStream(sys.stderr)  # type: ignore[attr-defined]
+            result = run_rank(case)
+        Path(f"{name}.result").write_bytes(msgspec.json.encode(result))
+        code = 0
+    finally:
+        os._exit(code)
+
+
+def main(argv: list[str]) -> int:
+    """``CASES_JSON``: prepare once, fork one process per rank (a list of :class:`Case`),
+    wait for them (decode's first: then prefill may stop serving)."""
+    cases = msgspec.json.decode(argv[0].encode(), type=list[Case])
+    _prepare()
+    pids = [(c, _fork(c)) for c in cases]
+    for role in ("decode", "prefill"):
+        for c, pid in pids:
+            if c.role == role:
+                os.waitpid(pid, 0)
+        if role == "decode" and cases:
+            Path(cases[0].work, "decode.done").touch()
     return 0
 
 
-# --- the driver (any interpreter): one handoff, its ranks as processes -------------------
+# --- the driver (any interpreter): one handoff, its ranks forked from one launcher -------
 
 
 def run_handoff(python: Path, root: Path, work: Path, *, family: str, prefill_tp: int = 1,
@@ -483,47 +526,31 @@ def run_handoff(python: Path, root: Path, work: Path, *, family: str, prefill_tp
                 env: dict[str, str] | None = None,
                 decode_env: dict[str, str] | None = None, **case: Any
                 ) -> dict[tuple[str, int], Result | None]:
-    """Run one handoff: ``prefill_tp`` prefill ranks and ``decode_tp`` decode ranks, each
-    ``python -m kvhandoff.lab.testing.sglang_pools`` with this checkout (``root``) first on
-    its path; ``case`` sets the rest of each :class:`Case`. Each rank's log goes to
-    ``work``. Returns every rank's Result (None: it printed none, e.g. killed on
+    """Run one handoff: ``prefill_tp`` prefill ranks and ``decode_tp`` decode ranks, each a
+    process forked by one ``python -m kvhandoff.lab.testing.sglang_pools`` launcher with
+    this checkout (``root``) first on its path; ``case`` sets the rest of each
+    :class:`Case`, ``decode_env`` decode's environment beside ``env``. Each rank's log
+    goes to ``work``. Returns every rank's Result (None: it left none, e.g. killed on
     purpose)."""
     write_model(work)
-    base = {**os.environ, "PYTHONPATH": str(root), "SGLANG_PLUGINS": "kvhandoff",
-            "SGLANG_USE_CPU_ENGINE": "1", **(env or {})}
-    procs = []
-    for role, tp in (("prefill", prefill_tp), ("decode", decode_tp)):
-        for r in range(tp):
-            c = Case(family=family, role=role, tp_rank=r, tp_size=tp, port=port,
-                     room=4242, work=str(work), prefill_tp=prefill_tp, timeout=timeout,
-                     **{k: v for k, v in case.items() if role == "prefill" or k != "flip"})
-            with (work / f"{role}{r}.log").open("w") as log:
-                procs.append((role, r, subprocess.Popen(
-                    [str(python), "-m", "kvhandoff.lab.testing.sglang_pools",
-                     msgspec.json.encode(c).decode()],
-                    env={**base, **((decode_env or {}) if role == "decode" else {})},
-                    stdout=subprocess.PIPE, stderr=log, text=True)))
-    return _collect(procs, work, timeout)
-
-
-def _collect(procs: list[tuple[str, int, subprocess.Popen[str]]], work: Path,
-             timeout: float) -> dict[tuple[str, int], Result | None]:
+    cases = [Case(family=family, role=role, tp_rank=r, tp_size=tp, port=port, room=4242,
+                  work=str(work), prefill_tp=prefill_tp, timeout=timeout,
+                  env=dict(decode_env or {}) if role == "decode" else {},
+                  **{k: v for k, v in case.items() if role == "prefill" or k != "flip"})
+             for role, tp in (("prefill", prefill_tp), ("decode", decode_tp))
+             for r in range(tp)]
+    launcher = subprocess.run(
+        [str(python), "-m", "kvhandoff.lab.testing.sglang_pools",
+         msgspec.json.encode(cases).decode()],
+        env={**os.environ, "PYTHONPATH": str(root), "SGLANG_PLUGINS": "kvhandoff",
+             "SGLANG_USE_CPU_ENGINE": "1", **(env or {})},
+        capture_output=True, text=True, timeout=4 * timeout)
+    (work / "launcher.log").write_text(launcher.stdout + launcher.stderr)
     out: dict[tuple[str, int], Result | None] = {}
-    try:
-        for side in ("decode", "prefill"):  # prefill serves until decode is done
-            for role, r, p in procs:
-                if role == side:
-                    text, _ = p.communicate(timeout=3 * timeout)
-                    line = next((x for x in text.splitlines() if x.startswith("RESULT ")), None)
-                    out[(role, r)] = (None if line is None else
-                                      msgspec.json.decode(line[7:].encode(), type=Result))
-            if side == "decode":
-                (work / "decode.done").touch()
-    finally:
-        for _, _, p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(30)
+    for c in cases:
+        f = work / f"{c.role}{c.tp_rank}.result"
+        out[(c.role, c.tp_rank)] = (msgspec.json.decode(f.read_bytes(), type=Result)
+                                    if f.exists() else None)
     return out
 
 
