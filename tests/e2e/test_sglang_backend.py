@@ -89,11 +89,11 @@ def _handoff(tmp_path: Path, **case: Any) -> dict[tuple[str, int], Result | None
 
 
 def _exact(results: dict[tuple[str, int], Result | None]) -> None:
-    """Every rank succeeded; every decode byte as the oracle says, nothing else touched,
-    one flipped byte found; nothing left live."""
+    """Every rank succeeded, counted in kvhandoff's metrics; every decode byte as the
+    oracle says, nothing else touched, one flipped byte found; nothing left live."""
     for (role, rank), r in results.items():
-        assert r is not None, f"{role} rank {rank} printed no result"
-        assert r.status == SUCCESS and r.live == 0, (role, rank, r)
+        assert r is not None, f"{role} rank {rank} left no result"
+        assert r.status == SUCCESS and r.live == 0 and r.counted == 1, (role, rank, r)
         if role == "decode":
             assert r.checked > 0 and r.wrong == 0 and r.untouched_changed == 0, r
             assert r.flipped_found == 1, r

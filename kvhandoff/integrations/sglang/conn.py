@@ -347,7 +347,10 @@ class KvhandoffKVSender(CommonKVSender):  # type: ignore[misc]
         raise KVTransferError(self.bootstrap_room, self.kvh.reason or "kvhandoff: failed")
 
     def abort(self) -> None:
+        """Fail the request here and tell decode; no chunk of it goes out any more (the
+        scheduler may drop an aborted request without clearing it)."""
         self.kvh.abort("aborted by SGLang (AbortReq)")
+        self.kv_mgr.senders.pop(self.bootstrap_room, None)
 
     def clear(self) -> None:
         super().clear()

@@ -81,6 +81,7 @@ class Result(msgspec.Struct, frozen=True, kw_only=True):
     flipped_found: int = -1  # after flipping one received byte: mismatches found
     metric_bytes: int | None = None  # prefill: get_transfer_metric's bytes
     live: int = -1  # the agent's live requests after the request was cleared
+    counted: float = 0.0  # kvhandoff's own metrics: this role's successful requests
 
 
 # --- the families: pools and each side's index lists -----------------------------------
@@ -354,6 +355,15 @@ def _ended(side: Any, state: int) -> tuple[str, int]:
     return reason, agent.live_requests
 
 
+def _counted(role: str) -> float:
+    """Successful requests of ``role`` in kvhandoff's own metrics of this process."""
+    from kvhandoff.observe.report import process_metrics
+
+    value = process_metrics().registry.get_sample_value(
+        "kvhandoff_requests_total", {"role": role, "transport": "tcp", "status": "success"})
+    return float(value or 0.0)
+
+
 def _class(kind: str) -> Any:
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
@@ -376,7 +386,7 @@ def run_prefill(case: Case, mgr: Any) -> Result:
     metric = sender.get_transfer_metric().transfer_total_bytes
     reason, live = _ended(sender, int(state))
     return Result(role="prefill", tp_rank=case.tp_rank, status=int(state), reason=reason,
-                  metric_bytes=metric, live=live)
+                  metric_bytes=metric, live=live, counted=_counted("prefill"))
 
 
 def _step(case: Case, sender: Any) -> None:
@@ -423,7 +433,7 @@ def run_decode(case: Case, mgr: Any) -> Result:
                       live=live)
     result = _verify(case, mgr, int(state))
     _, live = _ended(receiver, int(state))
-    return msgspec.structs.replace(result, live=live)
+    return msgspec.structs.replace(result, live=live, counted=_counted("decode"))
 
 
 def _verify(case: Case, mgr: Any, state: int) -> Result:
