@@ -70,6 +70,10 @@ def placement(transport: str, *, producer: bool, cuda: bool = False, mirror: boo
         raise LayoutError(f"{engine}'s KV cache is in GPU memory, which transport "
                           f"{transport!r} cannot move; use one of {sorted(CUDA_TESTED)}")
     if gpu_direct and transport in CUDA_STAGED_ONLY:
+        if cuda and not mirror:
+            raise LayoutError(f"{engine}'s KV cache is in GPU memory and transport "
+                              f"{transport!r} moves host memory only ({engine} keeps no host "
+                              f"mirror); use nixl or mooncake, which register GPU memory")
         raise LayoutError(f"gpu_direct: transport {transport!r} moves host memory only; "
                           f"nixl and mooncake can register GPU memory")
     own = not producer and transport_class(transport).capabilities.needs_allocate

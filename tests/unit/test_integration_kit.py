@@ -88,7 +88,10 @@ def test_placement_refuses_what_no_way_fits_naming_the_transport() -> None:
     with pytest.raises(LayoutError, match="GPU memory, which transport 'memory' cannot move"):
         kit.placement("memory", producer=True, cuda=True)
     with pytest.raises(LayoutError, match="gpu_direct: transport 'tcp' moves host memory"):
-        kit.placement("tcp", producer=True, cuda=True, gpu_direct=True)
+        kit.placement("tcp", producer=True, cuda=True, gpu_direct=True, mirror=True)
+    with pytest.raises(LayoutError, match=r"SGLang's KV cache is in GPU memory and transport "
+                                          r"'tcp' moves host memory only \(SGLang keeps no"):
+        kit.placement("tcp", producer=True, cuda=True, gpu_direct=True, engine="SGLang")
 
 
 # --- outcomes ---------------------------------------------------------------------------
