@@ -195,3 +195,19 @@ def test_a_hook_is_loaded_from_its_name_and_given_its_config() -> None:
         kit.load_hook("no-colon", {})
     with pytest.raises(ValueError, match="cannot be loaded"):
         kit.load_hook(f"{__name__}:Nothing", {})
+
+
+def test_the_kit_and_the_pure_adapter_halves_load_no_engine() -> None:
+    """An engine's plugin imports the kit in every engine process: it must not pull in an
+    engine, torch, or the HTTP server the registry needs only where one is hosted."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import kvhandoff.integrations, kvhandoff.integrations.sglang.layout, "
+            "kvhandoff.integrations.sglang.requests, kvhandoff.integrations.sglang.plugin, "
+            "kvhandoff.integrations.vllm.layout, kvhandoff.integrations.vllm.requests; "
+            "print(sorted(m for m in ('torch', 'transformers', 'sglang', 'vllm', 'aiohttp') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
