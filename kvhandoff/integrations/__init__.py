@@ -12,8 +12,8 @@ Opening a rank (:mod:`.rank`)
     makes a rank's transport keyed by the deployment secret; ``open_rank`` the agent.
 Requests (the session layer)
     ``Agent``, ``Role``, ``Sender``, ``Receiver``, ``Status``, ``SessionConfig``,
-    ``bootstrap_url``, ``route_dp``; ``AuxSpec`` and ``AuxPool``, the aux-row format and
-    the pool a request leases its row from.
+    ``bootstrap_url``, ``route_dp``; ``AuxSpec``, the aux-row format, and ``AuxRows`` /
+    ``AuxPool``, the pool a request leases its row from (with its memory).
 Outcomes (:mod:`.outcomes`)
     ``outcome`` (a side's row of ``OUTCOMES``: :class:`Outcome`, SGLang's ``KVPoll``,
     vLLM's finished/failed set), ``kvpoll``, ``quiet``.
@@ -48,7 +48,7 @@ from kvhandoff.observe.metrics import HANDOFF_SERIES, Series, record
 from kvhandoff.plan.runs import runs as coalesce_runs
 from kvhandoff.session.config import SessionConfig
 from kvhandoff.session.rank.agent import Agent, Role
-from kvhandoff.session.request.aux import AuxPool, AuxSpec
+from kvhandoff.session.request.aux import AuxPool, AuxRows, AuxSpec
 from kvhandoff.session.request.receiver import Receiver, bootstrap_url, route_dp
 from kvhandoff.session.request.sender import Sender
 from kvhandoff.session.request.status import Status
@@ -63,6 +63,7 @@ __all__ = [
     "SUCCESS",
     "Agent",
     "AuxPool",
+    "AuxRows",
     "AuxSpec",
     "Figures",
     "HandoffHook",

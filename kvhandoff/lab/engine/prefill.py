@@ -70,7 +70,8 @@ class PrefillInstance(Instance):
             # move with the last chunk like every other state component)
             chunked = any(c.type in CHUNKED_TYPES for c in self.layout.components)
             pages_total = -(-n // ps) if chunked else 0
-            prefix = max(transfer.start(rid, r, pages_total, req.slot) for r in range(self.tp))
+            prefix = max(transfer.start(rid, r, pages_total, req.aux_row)
+                         for r in range(self.tp))
             cache = self.new_cache()
             marks = {k: 0 for k, (_, f) in self.fields.items()
                      if f.series in (Series.TOKENS, Series.ENTRIES)}
@@ -129,7 +130,8 @@ class PrefillInstance(Instance):
         slot = np.array([req.slot], dtype=np.int64)
         first = int(logits.argmax())
         logprob = float(torch.log_softmax(logits.float(), -1)[first])
-        self.write(AUX_KEY, slot, pack_aux(rid, first, logprob, self.global_row_bytes(AUX_KEY)))
+        self.write(AUX_KEY, np.array([req.aux_row], dtype=np.int64),
+                   pack_aux(rid, first, logprob, self.global_row_bytes(AUX_KEY)))
         if self.has(VALID_FROM_KEY):
             valid = np.array([[max(0, n - self.arch.window + 1)]], dtype=np.int64)
             self.write(VALID_FROM_KEY, slot, valid.view(np.uint8))

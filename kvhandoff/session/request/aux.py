@@ -206,40 +206,31 @@ Allocate = Callable[[int], U8]
 ``allocate`` where it insists on its own memory), as uint8."""
 
 
-class AuxPool:
-    """A fixed pool of ``num_rows`` aux rows of ``spec``'s format, each leased by one
-    request from start to finish (:meth:`take`, then :meth:`give`): the one aux-row pool
-    every engine adapter uses. It owns the buffer (from ``allocate`` when given, else a
-    plain zeroed array) and the AUX :attr:`component` that describes it for a Layout.
+class AuxRows:
+    """``num_rows`` aux rows, each leased by one request from start to finish
+    (:meth:`take`, then :meth:`give`): the one aux-row pool. :class:`AuxPool` adds the
+    memory; an engine whose own pools hold the aux tensor (the reference engine) leases
+    its row numbers from this alone.
 
     Thread-safe (one lock): an engine may lease on its scheduler thread and return rows
     from a polling thread. A row given back twice, or never leased, raises ``ValueError``
     rather than corrupting the pool."""
 
-    def __init__(self, num_rows: int, spec: AuxSpec | None = None, *,
-                 allocate: Allocate | None = None, name: str = "aux") -> None:
+    def __init__(self, num_rows: int) -> None:
         if num_rows < 1:
             raise ValueError(f"an aux pool needs at least one row, got {num_rows}")
-        self.spec = spec if spec is not None else AuxSpec()
-        size = num_rows * self.spec.row_bytes
-        self.buffer: U8 = np.zeros(size, np.uint8) if allocate is None else allocate(size)
-        if len(self.buffer) < size:
-            raise ValueError(f"allocate({size}) returned {len(self.buffer)} bytes")
-        self.component = self.spec.component(ptr=int(self.buffer.ctypes.data),
-                                              num_rows=num_rows, name=name)
         self.num_rows = num_rows
         self._free = list(range(num_rows - 1, -1, -1))
         self._leased: set[int] = set()
         self._lock = threading.Lock()
 
     def take(self) -> int | None:
-        """Lease a free row (its header cleared), or None when every row is leased."""
+        """Lease a free row, or None when every row is leased."""
         with self._lock:
             if not self._free:
                 return None
             row = self._free.pop()
             self._leased.add(row)
-        clear(self.row(row))
         return row
 
     def give(self, row: int) -> None:
@@ -255,6 +246,31 @@ class AuxPool:
     def in_use(self) -> int:
         with self._lock:
             return len(self._leased)
+
+
+class AuxPool(AuxRows):
+    """:class:`AuxRows` with their memory: ``num_rows`` rows of ``spec``'s format in a
+    buffer it owns (from ``allocate`` when given, else a plain zeroed array), and the AUX
+    :attr:`component` that describes it for a Layout. A row is handed out with its header
+    cleared."""
+
+    def __init__(self, num_rows: int, spec: AuxSpec | None = None, *,
+                 allocate: Allocate | None = None, name: str = "aux") -> None:
+        super().__init__(num_rows)
+        self.spec = spec if spec is not None else AuxSpec()
+        size = num_rows * self.spec.row_bytes
+        self.buffer: U8 = np.zeros(size, np.uint8) if allocate is None else allocate(size)
+        if len(self.buffer) < size:
+            raise ValueError(f"allocate({size}) returned {len(self.buffer)} bytes")
+        self.component = self.spec.component(ptr=int(self.buffer.ctypes.data),
+                                              num_rows=num_rows, name=name)
+
+    def take(self) -> int | None:
+        """Lease a free row (its header cleared), or None when every row is leased."""
+        row = super().take()
+        if row is not None:
+            clear(self.row(row))
+        return row
 
     def row(self, row: int) -> U8:
         """A writable view of row ``row``."""
