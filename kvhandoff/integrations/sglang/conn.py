@@ -46,6 +46,7 @@ import hashlib
 import importlib.metadata
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -107,8 +108,11 @@ HANDSHAKE_TIMEOUT = 5.0
 scheduler thread once per prefill, like SGLang's own topology lookup)."""
 
 
-def registered(args: KVArgs, *, is_mla: bool = False) -> Registered:
-    """``args`` read once (SGLang's attribute bag; optional fields may be absent)."""
+def registered(args: KVArgs, *, is_mla: bool = False, heads: Heads | None = None
+               ) -> Registered:
+    """``args`` read once (SGLang's attribute bag; optional fields may be absent; decode
+    fills no head counts: ``heads`` then says them)."""
+    h = heads or Heads()
     states = tuple(
         StateEntry(type=str(getattr(t, "value", t)), ptrs=tuple(p), lens=tuple(n),
                    item_lens=tuple(i), layer_ids=tuple(_at(args.state_layer_ids, k)),
@@ -123,13 +127,37 @@ def registered(args: KVArgs, *, is_mla: bool = False) -> Registered:
         kv_ptrs=tuple(args.kv_data_ptrs), kv_lens=tuple(args.kv_data_lens),
         kv_item_lens=tuple(args.kv_item_lens), kv_layer_ids=tuple(args.kv_layer_ids or ()),
         num_draft_entries=int(getattr(args, "num_draft_entries", 0) or 0),
-        page_size=int(args.page_size), kv_head_num=int(getattr(args, "kv_head_num", 0) or 0),
-        total_kv_head_num=int(getattr(args, "total_kv_head_num", 0) or 0),
+        page_size=int(args.page_size),
+        kv_head_num=int(getattr(args, "kv_head_num", 0) or 0) or h.local,
+        total_kv_head_num=int(getattr(args, "total_kv_head_num", 0) or 0) or h.total,
+        swa_head_num=h.swa_local, total_swa_head_num=h.swa_total,
         start_layer=int(getattr(args, "prefill_start_layer", 0) or 0),
         aux_ptrs=tuple(args.aux_data_ptrs), aux_lens=tuple(args.aux_data_lens),
         aux_item_lens=tuple(args.aux_item_lens), states=states,
         kv_cache_dtype=str(args.kv_cache_dtype_str), is_mla=is_mla,
         compression_ratios=tuple(getattr(args, "mla_compression_ratios", None) or ()))
+
+
+@dataclass(frozen=True, slots=True)
+class Heads:
+    """KV heads, this rank's and the model's (and the sliding-window pool's)."""
+
+    local: int = 0
+    total: int = 0
+    swa_local: int = 0
+    swa_total: int = 0
+
+
+def model_heads(attn_tp_size: int) -> Heads:
+    """The KV heads of the model this process serves, as SGLang sizes its pools: decode's
+    ``KVArgs`` carry none."""
+    from sglang.srt.runtime_context import process_model_config
+
+    mc = process_model_config()
+    total = int(mc.get_total_num_kv_heads())
+    swa_total = int(getattr(mc.hf_text_config, "swa_num_key_value_heads", 0) or total)
+    return Heads(local=int(mc.get_num_kv_heads(attn_tp_size)), total=total,
+                 swa_local=int(mc.get_swa_num_kv_heads(attn_tp_size)), swa_total=swa_total)
 
 
 def _at(lists: list[list[Any]], k: int) -> list[Any]:
@@ -203,7 +231,8 @@ class KvhandoffKVManager(CommonKVManager):  # type: ignore[misc]
                           gpu_direct=cuda, engine="SGLang")
         cfg = self.config.replace(transport_options={**self.config.transport_options,
                                                      **where.transport_options()})
-        reg = registered(args, is_mla=mla)
+        reg = registered(args, is_mla=mla,
+                         heads=None if mla else model_heads(self.attn_tp_size))
         rows = int(args.aux_data_lens[0] // args.aux_item_lens[0])
         self.guard, guard = AuxSpec().allocate(rows)  # row i guards metadata row i
         dims, model = _model_facts(server_args)

@@ -112,6 +112,8 @@ class Registered:
     page_size: int
     kv_head_num: int = 0  # this rank's KV heads (MHA)
     total_kv_head_num: int = 0  # the model's
+    swa_head_num: int = 0  # the sliding-window pool's, when they differ (0: as above)
+    total_swa_head_num: int = 0
     start_layer: int = 0
     aux_ptrs: tuple[int, ...] = ()
     aux_lens: tuple[int, ...] = ()
@@ -227,9 +229,11 @@ def _kv(reg: Registered, tp_size: int) -> Component:
                      tensors=tuple(tensors))
 
 
-def _head_shard(reg: Registered, item: int, where: str) -> ShardSpec:
+def _head_shard(reg: Registered, item: int, where: str, *, swa: bool = False) -> ShardSpec:
     """A page of ``page_size`` token rows of this rank's heads (NHD): sharded by head."""
     heads, total, page = reg.kv_head_num, reg.total_kv_head_num, reg.page_size
+    if swa and reg.swa_head_num:
+        heads, total = reg.swa_head_num, reg.total_swa_head_num
     if heads < 1 or total < 1 or item % (page * heads):
         raise LayoutError(f"{where}: a page of {item} B is not {page} tokens x {heads} heads "
                           f"(of {total})")
@@ -259,9 +263,8 @@ def _state(name: str, e: StateEntry, reg: Registered, tp_size: int,
     if e.type == "swa":
         names = _names(n, 0, 2, "swa")
         return tuple(_paged(t, i, e.ptrs[j], e.lens[j], e.item_lens[j], reg.page_size,
-                            _head_shard(reg, e.item_lens[j],
-                                        f"{name} tensor {t!r} layer {i}") if e.item_lens[j]
-                            else None)
+                            _head_shard(reg, e.item_lens[j], f"{name} tensor {t!r} layer {i}",
+                                        swa=True) if e.item_lens[j] else None)
                      for j, (t, i) in enumerate(names)), False
     if e.type == "dsa":  # the target's layers first, then the draft's (as the KV pages)
         layers = len(reg.kv_ptrs) - reg.num_draft_entries

@@ -171,8 +171,9 @@ def _publish(case: Case) -> Any:
     return sa
 
 
-def _kv_args(pool: Any, metadata: Any, rank: int, mla: bool) -> Any:
-    """``KVArgs`` as the scheduler fills them (``prefill.py`` ``_init_kv_manager``)."""
+def _kv_args(pool: Any, metadata: Any, rank: int, mla: bool, prefill: bool) -> Any:
+    """``KVArgs`` as the scheduler fills them (``prefill.py`` / ``decode.py``
+    ``_init_kv_manager``: decode's name no KV heads)."""
     from sglang.srt.disaggregation.base.conn import KVArgs
     from sglang.srt.disaggregation.utils import (
         build_kv_layer_ids,
@@ -189,7 +190,7 @@ def _kv_args(pool: Any, metadata: Any, rank: int, mla: bool) -> Any:
     a.num_draft_entries = 0
     a.kv_layer_ids = build_kv_layer_ids(token_to_kv_pool=pool, draft_token_to_kv_pool=None,
                                         num_draft_entries=0, num_hidden_layers=3)
-    if not mla:
+    if prefill and not mla:
         a.kv_head_num, a.total_kv_head_num = pool.head_num, 2
     a.page_size = pool.page_size
     a.aux_data_ptrs, a.aux_data_lens, a.aux_item_lens = metadata.get_buf_infos()
@@ -221,7 +222,7 @@ def _manager(case: Case, sa: Any) -> tuple[Any, Any, Any]:
                                max_sampling_mask_tokens=16)
     mode = DisaggregationMode.PREFILL if case.role == "prefill" else DisaggregationMode.DECODE
     mgr = get_kv_class(backend, KVClassType.MANAGER)(
-        _kv_args(pool, metadata, case.tp_rank, mla), mode, sa, mla)
+        _kv_args(pool, metadata, case.tp_rank, mla, case.role == "prefill"), mode, sa, mla)
     return mgr, (pool, metadata), server
 
 
