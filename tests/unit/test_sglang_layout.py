@@ -257,3 +257,26 @@ def test_sglang_indices_become_a_kvhandoff_request() -> None:
     assert list(dst["kv"]) == [4, 6] and list(dst["swa"]) == [8, 9]  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"1 state index lists for the 2 state types"):
         prefill_state(types, [[3]], aux_index=5)
+
+
+def test_kvargs_are_read_once_with_what_a_role_leaves_out() -> None:
+    """A decode rank's KVArgs carry no KV heads (SGLang sets them on prefill only): they
+    come from the served model. Optional fields may be absent altogether."""
+    from types import SimpleNamespace
+
+    from kvhandoff.integrations.sglang.kvargs import Heads, registered
+
+    mamba = SimpleNamespace(value="mamba")
+    args = SimpleNamespace(
+        kv_data_ptrs=[1, 2], kv_data_lens=[64, 64], kv_item_lens=[32, 32], kv_layer_ids=None,
+        page_size=1, aux_data_ptrs=[3], aux_data_lens=[8], aux_item_lens=[8],
+        state_types=[mamba], state_data_ptrs=[[4, 5]], state_data_lens=[[8, 8]],
+        state_item_lens=[[4, 4]], state_layer_ids=[[0, 0]], state_dim_per_tensor=[[2, 1]],
+        state_conv_shard_groups=[[None, None]], kv_cache_dtype_str="auto")
+    reg = registered(args, heads=Heads(local=1, total=2))
+    assert (reg.kv_head_num, reg.total_kv_head_num, reg.kv_layer_ids) == (1, 2, ())
+    entry = reg.states[0]
+    assert (entry.type, entry.dims, entry.outer, entry.conv_groups) == (
+        "mamba", (2, 1), (), (None, None))  # no outer counts registered: none read
+    prefill = SimpleNamespace(**vars(args), kv_head_num=2, total_kv_head_num=4)
+    assert registered(prefill, heads=Heads(local=1, total=2)).kv_head_num == 2  # its own
