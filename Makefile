@@ -194,7 +194,7 @@ test-stress: $(STAMP)
 	$(BIN)/python -m kvhandoff.lab.testing.hogs --runs $(STRESS_RUNS) -- \
 	  $(BIN)/python -m pytest -q -p no:cacheprovider tests/faults tests/conformance tests/e2e \
 	  --ignore=tests/e2e/test_vllm.py --ignore=tests/e2e/test_vllm_worker.py \
-	  --ignore=tests/e2e/test_sglang.py
+	  --ignore=tests/e2e/test_sglang.py --ignore=tests/e2e/test_sglang_backend.py
 
 # The part of test-stress CI runs (.ci/run): the fault suite once under the hogs, with its
 # soak at the make-test length, so a timing assumption in a fault test cannot land.

@@ -52,6 +52,7 @@ __all__ = [
     "suffix_pages",
     "swa_window_pages",
     "swa_window_start",
+    "token_pages",
 ]
 
 
@@ -228,6 +229,28 @@ def swa_window_start(
     if prefix > n:
         raise PlanError(f"decode_prefix_len {prefix} is past seq_len {n}")
     return _floor(max(prefix, n - w, 0), page)
+
+
+def token_pages(start: int, end: int, page_size: int, *, window: int = 0) -> range:
+    """Positions in a request's page list of the pages holding tokens ``[start, end)``:
+    ``range(start // page_size, ceil(end / page_size))``. With a sliding ``window`` only
+    the window moves: the span starts at :func:`swa_window_start` (``start`` then being
+    the decode prefix). Both sides of a handoff pick their pages by the same token range,
+    so their lists pair one for one.
+
+    Contract: ``0 <= start <= end``, ``page_size >= 1``, ``window >= 0``; otherwise
+    ``PlanError``.
+    """
+    page = _int("page_size", page_size, minimum=1)
+    first = _int("start", start)
+    stop = _int("end", end)
+    if first > stop:
+        raise PlanError(f"token_pages: start {first} is past end {stop}")
+    if _int("window", window):
+        first = swa_window_start(stop, window, page, first)
+    if first == stop:  # no token: no page, even mid-page
+        return range(first // page, first // page)
+    return range(first // page, num_pages(stop, page))
 
 
 def swa_window_pages(

@@ -48,6 +48,15 @@ from kvhandoff.layout import (
     TensorSpec,
 )
 from kvhandoff.plan.request import Indices
+from kvhandoff.sharding import (
+    ConvSplit,
+    conv_shard,
+    gdn_conv,
+    kda_conv,
+    mamba1_conv,
+    mamba2_conv,
+    ssm_shard,
+)
 from kvhandoff.state_types import StateType
 
 Alloc = Callable[[int], int]
@@ -244,18 +253,24 @@ class ModelShape:
 
     # derived sizes -------------------------------------------------------------------
     @property
+    def conv_split(self) -> ConvSplit:
+        """The conv state's independently sharded sub-blocks (:mod:`kvhandoff.sharding`),
+        in channels."""
+        if self.has(LayerKind.GDN):
+            kd = self.linear_k_heads * self.linear_k_dim
+            return gdn_conv(kd, self.linear_v_heads * self.linear_v_dim)
+        if self.has(LayerKind.KDA):
+            return kda_conv(self.linear_v_heads * self.linear_v_dim,
+                            self.linear_k_heads * self.linear_k_dim)
+        if self.has(*_M1):
+            return mamba1_conv(self.mamba_intermediate)
+        return mamba2_conv(self.mamba_heads * self.mamba_head_dim, self.mamba_groups,
+                           self.mamba_state, whole_groups=False)
+
+    @property
     def conv_groups(self) -> tuple[int, ...]:
         """Global channel lengths of the conv state's independently sharded sub-blocks."""
-        if self.has(LayerKind.GDN, LayerKind.KDA):
-            kd = self.linear_k_heads * self.linear_k_dim
-            vd = self.linear_v_heads * self.linear_v_dim
-            # GDN: cat[q|k|v] (key_dim, key_dim, value_dim); KDA: (proj, proj_k, proj_k)
-            return (kd, kd, vd) if self.has(LayerKind.GDN) else (vd, kd, kd)
-        if self.has(*_M1):
-            return (self.mamba_intermediate,)  # one channel axis, sharded by d_inner
-        inter = self.mamba_heads * self.mamba_head_dim
-        gn = self.mamba_groups * self.mamba_state
-        return (inter, gn, gn)  # Mamba2: cat[x|B|C]
+        return self.conv_split.blocks
 
     @property
     def ssm_heads(self) -> int:
@@ -645,19 +660,15 @@ class _Builder:
         """All conv slots, then all SSM slots (sglang's tensor-major order)."""
         s = self.s
         layers = [i for i in s.layer_ids(*_LINEAR) if i in mine]
-        groups = s.conv_groups
-        if s.has(LayerKind.KDA):  # transposed: (K-1, channels) per slot
-            conv = ShardSpec.axis(outer=s.conv_kernel - 1, axis=sum(groups), groups=groups,
-                                  inner_bytes=s.conv_dtype_bytes)
-        else:
-            conv = ShardSpec.axis(axis=sum(groups), groups=groups,
-                                  inner_bytes=(s.conv_kernel - 1) * s.conv_dtype_bytes)
+        rows, c = s.conv_kernel - 1, s.conv_dtype_bytes
+        conv = (conv_shard(s.conv_split, channel_bytes=c, outer_rows=rows)  # (K-1, channels)
+                if s.has(LayerKind.KDA) else conv_shard(s.conv_split, channel_bytes=rows * c))
         if s.has(*_M2) and self.tp[1] > s.mamba_groups:
             raise LayoutError(
                 f"{s.name}: TP {self.tp[1]} exceeds the {s.mamba_groups} Mamba2 groups; padded "
                 f"replicated groups are not modelled"
             )
-        ssm = ShardSpec.axis(axis=s.ssm_heads, inner_bytes=s.ssm_head_bytes)
+        ssm = ssm_shard(s.ssm_heads, s.ssm_head_bytes)
         return ([self.tensor("conv", i, 0, slots, shard=conv, dtype=_dtype(s.conv_dtype_bytes))
                  for i in layers]
                 + [self.tensor("ssm", i, 0, slots, shard=ssm, dtype=_dtype(s.ssm_dtype_bytes))

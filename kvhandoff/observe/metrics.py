@@ -16,19 +16,76 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterator, Mapping
-from typing import Protocol
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvhandoff.observe import timeline as tl
+from kvhandoff.observe.figures import Figures, measure
 
-_SECONDS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
-            2.5, 5.0, 10.0, 30.0)
-_BYTES = tuple(float(4 ** k * 1024) for k in range(12))  # 1 KiB .. 4 GiB
+SECONDS_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                   1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+BYTES_BUCKETS = tuple(float(4 ** k * 1024) for k in range(12))  # 1 KiB .. 4 GiB
 _GBPS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Series:
+    """One handoff series: its name (the one prefix, ``kvhandoff_``), help text, labels
+    beyond the host's own, and histogram buckets (None: a counter). Every registry that
+    exports handoffs (kvhandoff's own, vLLM's) builds them from these, so a series has
+    one name and one meaning wherever it is scraped."""
+
+    name: str
+    doc: str
+    labels: tuple[str, ...]
+    buckets: tuple[float, ...] | None = None
+
+
+HANDOFF_SECONDS = Series("kvhandoff_handoff_seconds", "A successful handoff, opened to "
+                         "settled (prefill) or landed (decode)", ("role",), SECONDS_BUCKETS)
+PHASE_SECONDS = Series("kvhandoff_phase_seconds", "Each phase of a successful handoff "
+                       "(prefill: wait_indices, prepare, transfer, settle; decode: "
+                       "bootstrap, transfer)", ("role", "phase"), SECONDS_BUCKETS)
+HANDOFF_BYTES = Series("kvhandoff_handoff_bytes", "Bytes a successful handoff moved",
+                       ("role",), BYTES_BUCKETS)
+COMPONENT_BYTES = Series("kvhandoff_component_bytes", "Bytes successful handoffs moved, "
+                         "per component", ("role", "component"))
+REQUESTS = Series("kvhandoff_requests", "Finished requests by final status",
+                  ("role", "status"))
+FAILURES = Series("kvhandoff_failures", "Failed requests (aborts included) by reason: "
+                  "the error class", ("role", "reason"))
+HANDOFF_SERIES = (HANDOFF_SECONDS, PHASE_SECONDS, HANDOFF_BYTES, COMPONENT_BYTES, REQUESTS,
+                  FAILURES)
+"""What every finished handoff is reported as (:func:`record`)."""
+
+
+Child = Any
+"""A labelled child of a histogram (``observe``) or a counter (``inc``): prometheus_client's
+own, or a host's wrapper of them (vLLM's)."""
+
+
+def record(f: Figures, child: Callable[[Series, tuple[str, ...]], Child]) -> None:
+    """Report one handoff's figures into :data:`HANDOFF_SERIES`; ``child(series,
+    labels)`` returns the series' child for those label values (in ``series.labels``
+    order, after whatever labels the host adds)."""
+    if not f.success:
+        child(REQUESTS, (f.role, "failed")).inc()
+        child(FAILURES, (f.role, f.outcome)).inc()
+        return
+    child(REQUESTS, (f.role, "success")).inc()
+    if f.seconds is not None:
+        child(HANDOFF_SECONDS, (f.role,)).observe(f.seconds)
+    for phase, s in f.phases.items():
+        child(PHASE_SECONDS, (f.role, phase)).observe(s)
+    child(HANDOFF_BYTES, (f.role,)).observe(f.nbytes)
+    for component, n in f.component_bytes.items():
+        child(COMPONENT_BYTES, (f.role, component)).inc(n)
+
 
 EVENTS = {"rehandshake": "kvhandoff_rehandshakes",
           "checksum_mismatch": "kvhandoff_checksum_mismatches",
@@ -90,22 +147,10 @@ class HandoffMetrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         base = ["role", "transport"]
-        self.handoff = Histogram("kvhandoff_handoff_seconds", "A successful handoff, "
-                                 "opened to settled (prefill) or landed (decode)", base,
-                                 buckets=_SECONDS, registry=r)
-        self.phase = Histogram("kvhandoff_phase_seconds", "Each phase of a successful "
-                               "handoff (prefill: wait_indices, prepare, transfer, settle; "
-                               "decode: bootstrap, transfer)", [*base, "phase"],
-                               buckets=_SECONDS, registry=r)
-        self.size = Histogram("kvhandoff_handoff_bytes", "Bytes a successful handoff moved",
-                              base, buckets=_BYTES, registry=r)
+        self.series = {x.name: _metric(x, ["transport"], r) for x in HANDOFF_SERIES}
         self.speed = Histogram("kvhandoff_transfer_gbps", "Prefill's write speed per "
                                "handoff, GB/s (bytes / transfer phase)", ["transport"],
                                buckets=_GBPS, registry=r)
-        self.requests = Counter("kvhandoff_requests", "Finished requests by final status",
-                                [*base, "status"], registry=r)
-        self.failures = Counter("kvhandoff_failures", "Failed requests (aborts included) "
-                                "by reason: the error class", [*base, "reason"], registry=r)
         self.events = {
             "rehandshake": Counter(EVENTS["rehandshake"], "Handshakes a request repeated "
                                    "because the peer had forgotten ours", base, registry=r),
@@ -118,7 +163,8 @@ class HandoffMetrics:
         }
         self.setup = Histogram("kvhandoff_peer_setup_seconds", "Decode reaching a prefill "
                                "group, once per group: the bootstrap lookup, then the "
-                               "handshakes with its ranks", ["stage"], buckets=_SECONDS,
+                               "handshakes with its ranks", ["stage"],
+                               buckets=SECONDS_BUCKETS,
                                registry=r)
         self.live = Gauge("kvhandoff_live_requests", "Requests in flight", ["role"],
                           registry=r)
@@ -140,8 +186,8 @@ class HandoffMetrics:
                  events: Mapping[str, int] | None = None) -> None:
         """One request ended on this rank: ``reason`` None for success, else the error
         class name; ``events``: its notable events (:data:`EVENTS`)."""
-        self.for_agent(role, transport).finished(timeline, nbytes=nbytes, reason=reason,
-                                                 events=events)
+        self.for_agent(role, transport).record(
+            measure(role, timeline, nbytes=nbytes, reason=reason, events=events))
 
     def for_agent(self, role: str, transport: str) -> AgentMetrics:
         """The series of one (role, transport), bound once (what an agent reports into:
@@ -149,40 +195,39 @@ class HandoffMetrics:
         return AgentMetrics(self, role, transport)
 
 
+def _metric(x: Series, host: list[str], r: CollectorRegistry) -> Histogram | Counter:
+    """``x`` in registry ``r``, labelled by ``x.labels`` then the host's ``host``."""
+    labels = [*x.labels, *host]
+    if x.buckets is None:
+        return Counter(x.name, x.doc, labels, registry=r)
+    return Histogram(x.name, x.doc, labels, buckets=x.buckets, registry=r)
+
+
 class AgentMetrics:
     """One (role, transport)'s children of :class:`HandoffMetrics`."""
 
     def __init__(self, m: HandoffMetrics, role: str, transport: str) -> None:
         self._m, self.role, self.transport = m, role, transport
-        self._success = m.requests.labels(role, transport, "success")
-        self._failed = m.requests.labels(role, transport, "failed")
-        self._handoff = m.handoff.labels(role, transport)
-        self._phase = {p: m.phase.labels(role, transport, p) for p, _, _ in tl.PHASES[role]}
-        self._size = m.size.labels(role, transport)
+        self._children: dict[tuple[str, tuple[str, ...]], Child] = {}
         self._speed = m.speed.labels(transport) if role == "prefill" else None
         self._events = {k: c.labels(role, transport) for k, c in m.events.items()}
-        self._end = tl.END[role]
 
-    def finished(self, timeline: tl.Timeline, *, nbytes: int, reason: str | None,
-                 events: Mapping[str, int] | None = None) -> None:
-        for name, n in (events or {}).items():
+    def _child(self, x: Series, values: tuple[str, ...]) -> Child:
+        key = (x.name, values)
+        got = self._children.get(key)
+        if got is None:
+            got = self._children[key] = self._m.series[x.name].labels(*values, self.transport)
+        return got
+
+    def record(self, f: Figures) -> None:
+        """One request ended on this rank, as measured (:mod:`~kvhandoff.observe.figures`)."""
+        for name, n in f.events.items():
             if n and name in self._events:
                 self._events[name].inc(n)
-        if reason is not None:
-            self._failed.inc()
-            self._m.failures.labels(self.role, self.transport, reason).inc()
-            return
-        self._success.inc()
-        total = timeline.span(tl.OPENED, self._end)
-        if total is not None:
-            self._handoff.observe(total)
-        phases = tl.phase_seconds(self.role, timeline)
-        for phase, s in phases.items():
-            self._phase[phase].observe(s)
-        self._size.observe(nbytes)
-        moved = phases.get("transfer")
-        if self._speed is not None and moved and nbytes:
-            self._speed.observe(nbytes / moved / 1e9)
+        record(f, self._child)
+        moved = f.transfer_seconds
+        if self._speed is not None and f.success and moved and f.nbytes:
+            self._speed.observe(f.nbytes / moved / 1e9)
 
 
 def serve(metrics: HandoffMetrics, port: int, host: str = "127.0.0.1") -> int:

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping
-from typing import Protocol
 
+from kvhandoff.observe.figures import Finished, figures
 from kvhandoff.observe.metrics import AgentMetrics, HandoffMetrics, serve
-from kvhandoff.observe.timeline import Timeline
 from kvhandoff.observe.trace import TraceWriter
 
 log = logging.getLogger("kvhandoff.observe")
@@ -59,33 +57,6 @@ def metrics_url(dial_host: str | None = None) -> str | None:
         return f"http://{host}:{_served}/metrics"
 
 
-class Finished(Protocol):
-    """What a finished request tells its reporter (a Sender or a Receiver)."""
-
-    @property
-    def request_id(self) -> int | str: ...
-
-    @property
-    def timeline(self) -> Timeline: ...
-
-    @property
-    def nbytes(self) -> int: ...
-
-    @property
-    def failure(self) -> str | None:
-        """The error class name, or None after a success."""
-
-    @property
-    def events(self) -> Mapping[str, int]:
-        """Notable events (:data:`~kvhandoff.observe.metrics.EVENTS`)."""
-
-    @property
-    def component_bytes(self) -> Mapping[str, int]: ...
-
-    @property
-    def peers(self) -> list[str]: ...
-
-
 class Reporter:
     """One agent's reporting: ``role``, ``transport`` and ``rank`` label what it reports."""
 
@@ -97,10 +68,12 @@ class Reporter:
             metrics.for_agent(role, transport) if metrics is not None else None)
 
     def finished(self, side: Finished) -> None:
+        """Report one finished request: its figures, measured once, go to the metrics and
+        the trace."""
+        f = figures(self.role, side)
         reason = side.failure
         if self.metrics is not None:
-            self.metrics.finished(side.timeline, nbytes=side.nbytes, reason=reason,
-                                  events=side.events)
+            self.metrics.record(f)
         if self.trace is not None:
             try:
                 self.trace.write(role=self.role, request=side.request_id, rank=self.rank,

@@ -99,7 +99,8 @@ def test_demo_fails_on_a_corrupted_byte(capsys: pytest.CaptureFixture[str]) -> N
 
 def test_worker_leak_check_names_the_pools() -> None:
     """What each worker answers after the run: a request admitted on decode but never
-    finished still holds its pages and slot, and they are named; freed, nothing is."""
+    finished still holds its pages, slot and aux row, and they are named; freed, nothing
+    is."""
     from kvhandoff.lab.engine import LocalTransfer
     from kvhandoff.lab.engine.decode import DecodeInstance
     from kvhandoff.lab.engine.pools import PoolConfig
@@ -110,4 +111,5 @@ def test_worker_leak_check_names_the_pools() -> None:
                           pools=PoolConfig(page_size=4, num_pages=16, num_slots=2))
     assert pool_leaks(inst, "decode").pools == {}
     inst.admit(0, list(range(10)), LocalTransfer([], inst.ranks))
-    assert pool_leaks(inst, "decode").pools == {"decode pages": 3, "decode slots": 1}
+    assert pool_leaks(inst, "decode").pools == {"decode pages": 3, "decode slots": 1,
+                                                "decode aux rows": 1}

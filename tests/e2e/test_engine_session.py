@@ -11,6 +11,7 @@ in-process planner moves for the same requests (planned beside the real transfer
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +19,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from kvhandoff.bootstrap.server import BootstrapServer  # noqa: E402
+from kvhandoff.integrations import SessionConfig, open_transport  # noqa: E402
 from kvhandoff.lab.engine import (  # noqa: E402
     CORE,
     Chunk,
@@ -30,8 +32,10 @@ from kvhandoff.lab.engine import (  # noqa: E402
 )
 from kvhandoff.lab.engine.pools import PoolConfig, RankPools, rank_layout  # noqa: E402
 from kvhandoff.lab.engine.run import prepare  # noqa: E402
-from kvhandoff.lab.engine.session_link import LinkError, SessionLink  # noqa: E402
-from kvhandoff.transport.registry import available_transports  # noqa: E402
+from kvhandoff.lab.engine.session_link import DecodeLink, LinkError, SessionLink  # noqa: E402
+from kvhandoff.secret import write_secret_file  # noqa: E402
+from kvhandoff.transport import ConnectError  # noqa: E402
+from kvhandoff.transport.registry import available_transports, create_transport  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -191,3 +195,24 @@ def test_shm_refuses_decode_memory_that_cannot_move(bootstrap_url: str) -> None:
     with pytest.raises(LinkError, match="transport 'shm' writes only into memory from its "
                                         r"allocate\(\)"):
         SessionLink([pools], [Fixed()], bootstrap_url, transport="shm")
+
+
+def test_the_reference_engine_keys_its_data_plane(bootstrap_url: str, tmp_path: Path) -> None:
+    """The engine's ranks open their transports as every engine's (the kit's
+    ``open_rank``): keyed by the deployment secret. A peer that holds the endpoint (its
+    token) but not the secret — what every engine rank was before — is refused at the
+    data-plane handshake; a peer with the secret gets in."""
+    cfg = SessionConfig(secret_file=write_secret_file(tmp_path / "secret"))
+    shape = prepare("llama").arch.shape
+    pools = RankPools(rank_layout(shape, PoolConfig(page_size=4, num_pages=8, num_slots=2),
+                                  tp_rank=0, tp_size=1))
+    link = DecodeLink([pools], bootstrap_url, transport="tcp", config=cfg)
+    try:
+        endpoint = link.agents[0].transport.endpoint()
+        with create_transport("tcp") as stranger, \
+                pytest.raises(ConnectError, match="data-plane handshake failed"):
+            stranger.connect(endpoint)
+        with open_transport(cfg) as keyed:
+            keyed.connect(endpoint)
+    finally:
+        link.close()

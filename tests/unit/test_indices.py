@@ -26,6 +26,7 @@ from kvhandoff.indices import (
     suffix_pages,
     swa_window_pages,
     swa_window_start,
+    token_pages,
 )
 
 FAST = settings(max_examples=80, deadline=None)
@@ -243,6 +244,28 @@ def test_window_pages_cover_window_clipped_at_prefix(
 
 # ---------------------------------------------------------------------------------------
 # rings, slots, DeepSeek-V4 and DSA state
+
+
+@FAST
+@given(st.integers(1, 16), st.integers(0, 200), st.integers(0, 200), st.integers(0, 64))
+def test_token_pages_are_the_pages_holding_the_tokens(page: int, a: int, b: int,
+                                                       window: int) -> None:
+    """Every token of the span lies in a listed page, and no listed page is empty of
+    them; a window keeps the pages of its last ``window`` tokens (floored to a page)."""
+    start, end = sorted((a, b))
+    span = token_pages(start, end, page, window=window)
+    lo = max(start, end - window, 0) // page * page if window else start
+    tokens = range(lo, end)
+    assert set(span) == {t // page for t in tokens}
+    assert span.step == 1
+
+
+def test_token_pages_refuses_a_reversed_span() -> None:
+    assert token_pages(4, 9, 4) == range(1, 3)
+    assert token_pages(0, 17, 4, window=6) == range(2, 5)
+    assert list(token_pages(5, 5, 4)) == []
+    with pytest.raises(PlanError, match="start 9 is past end 4"):
+        token_pages(9, 4, 4)
 
 
 def test_ring_positions_and_rows() -> None:

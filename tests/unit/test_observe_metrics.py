@@ -4,7 +4,6 @@ the right amounts with bounded labels."""
 from __future__ import annotations
 
 import gc
-import itertools
 import urllib.error
 import urllib.request
 
@@ -14,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvhandoff.bootstrap.client import RankRecord
 from kvhandoff.bootstrap.server import BootstrapServer
+from kvhandoff.lab.testing.timelines import ticking
 from kvhandoff.observe import timeline as tl
 from kvhandoff.observe.metrics import HandoffMetrics
 
@@ -70,18 +70,11 @@ def test_the_bootstrap_server_counts_answers_by_route_and_reports_its_registry()
                    for _, v in labels)
 
 
-def _timeline(role: str) -> tl.Timeline:
-    ticks = itertools.count(0.0, 0.001)
-    t = tl.Timeline(clock=lambda: next(ticks))
-    for _, _, event in tl.PHASES[role]:
-        t.mark(event)
-    return t
-
 
 def test_a_finished_handoff_moves_each_metric_once() -> None:
     m = HandoffMetrics()
-    m.finished("prefill", "tcp", _timeline("prefill"), nbytes=1 << 20, reason=None)
-    m.finished("decode", "tcp", _timeline("decode"), nbytes=1 << 20, reason=None)
+    m.finished("prefill", "tcp", ticking("prefill"), nbytes=1 << 20, reason=None)
+    m.finished("decode", "tcp", ticking("decode"), nbytes=1 << 20, reason=None)
     m.finished("decode", "tcp", tl.Timeline(), nbytes=0, reason="PeerLost")
     text = generate_latest(m.registry).decode()
     assert value(text, "kvhandoff_requests_total", role="prefill", transport="tcp",
@@ -112,7 +105,7 @@ def test_label_sets_stay_bounded_under_ten_thousand_requests() -> None:
         role = ("prefill", "decode")[i % 2]
         reason = None if i % 5 else reasons[i // 5 % 4]
         events = {"rehandshake": 1} if i % 7 == 0 else {}
-        m.finished(role, "tcp", _timeline(role), nbytes=4096, reason=reason, events=events)
+        m.finished(role, "tcp", ticking(role), nbytes=4096, reason=reason, events=events)
     text = generate_latest(m.registry).decode()
     series = {(name, labels) for (name, labels) in samples(text)}
     assert not any(v.startswith("r-") or v.isdigit() for _, labels in series

@@ -14,7 +14,9 @@ vLLM registered its KV caches). Load it with::
 ``kvhandoff bootstrap``), ``transport`` (``tcp`` default; ``shm``, ``mooncake``, ``nixl``),
 ``instance`` (the prefill deployment's name, default ``default``), ``host`` (control
 socket bind address), ``aux_rows`` (handoffs in flight per worker, default 1024),
-``host_staging`` and ``gpu_direct`` (see below), and any other
+``host_staging`` and ``gpu_direct`` (see below), ``hook`` and ``hook_config`` (a test
+rig's :class:`~kvhandoff.integrations.HandoffHook`: ``"module:factory"``, called with
+the ``hook_config`` mapping), and any other
 :class:`~kvhandoff.session.config.SessionConfig` field (e.g. ``transfer_timeout``).
 
 GPU memory: with vLLM's KV cache on CUDA, the worker keeps a host mirror and copies each
@@ -51,6 +53,13 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
+from kvhandoff.integrations import (
+    AuxPool,
+    HandoffHook,
+    SessionConfig,
+    bootstrap_url,
+    load_hook,
+)
 from kvhandoff.integrations.vllm.host_staging import (
     flag,
     kv_memory,
@@ -65,10 +74,9 @@ from kvhandoff.integrations.vllm.layout import (
 from kvhandoff.integrations.vllm.metrics import KvhandoffPromMetrics, KvhandoffStats
 from kvhandoff.integrations.vllm.requests import StepMeta, backoff, rules_for
 from kvhandoff.integrations.vllm.scheduler import SchedulerConfig, SchedulerSide
-from kvhandoff.integrations.vllm.worker import AuxRows, WorkerSide
+from kvhandoff.integrations.vllm.worker import AUX_NAME, WorkerSide
 from kvhandoff.layout import Region
-from kvhandoff.session.config import SessionConfig
-from kvhandoff.session.request.receiver import bootstrap_url
+from kvhandoff.sharding import mamba2_groups
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -81,7 +89,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvhandoff.integrations.vllm")
 
-_OWN_KEYS = {"bootstrap", "aux_rows", "host_staging", "gpu_direct"}
+_OWN_KEYS = {"bootstrap", "aux_rows", "host_staging", "gpu_direct", "hook", "hook_config"}
 
 
 class KvhandoffMetadata(KVConnectorMetadata):  # type: ignore[misc]
@@ -136,6 +144,7 @@ class KvhandoffConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._aux_rows = int(extra.get("aux_rows", 1024))
         self._host_staging = flag(extra, "host_staging")
         self._gpu_direct = flag(extra, "gpu_direct")
+        self._extra = extra
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -166,7 +175,7 @@ class KvhandoffConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             log.info("kvhandoff: vLLM's KV cache goes through a %s host mirror of %d B",
                      "pinned" if mem.staging.pinned else "pageable", mem.staging.nbytes)
         try:
-            rows = AuxRows(self._aux_rows, allocate=mem.allocate)
+            rows = AuxPool(self._aux_rows, allocate=mem.allocate, name=AUX_NAME)
             aux = rows.component.tensors[0]
             layout = build_layout(
                 self.groups, {name: tensor_info(t) for name, t in mem.tensors.items()},
@@ -176,12 +185,21 @@ class KvhandoffConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                       None)
             self._worker = WorkerSide(layout, rows, producer=self.producer,
                                       bootstrap=self.bootstrap, config=mem.config, kv_name=kv,
-                                      staging=mem.staging, transport=mem.transport)
+                                      staging=mem.staging, transport=mem.transport,
+                                      hook=self._hook())
         except BaseException:
             mem.close()
             raise
         log.info("kvhandoff %s worker tp %d/%d ready: %s", "prefill" if self.producer
                  else "decode", rank, tp, layout.describe())
+
+    def _hook(self) -> HandoffHook | None:
+        spec = self._extra.get("hook")
+        options = self._extra.get("hook_config") or {}
+        if not isinstance(options, dict):
+            raise ValueError(f"kv_connector_extra_config.hook_config must be a mapping, got "
+                             f"{options!r}")
+        return load_hook(str(spec), options) if spec else None
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self._worker is not None and self.has_connector_metadata():
@@ -270,7 +288,6 @@ class KvhandoffConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
 
 _MAMBA_KINDS = {"MAMBA1": "mamba1", "MAMBA2": "mamba2", "GDN_ATTN": "gdn"}
-_N_GROUPS = ("mamba_n_groups", "n_groups", "ssm_n_groups", "mamba_ngroups")
 
 
 def _mamba(spec: object, hf: Any) -> MambaInfo | None:
@@ -281,7 +298,7 @@ def _mamba(spec: object, hf: Any) -> MambaInfo | None:
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 
     name = getattr(spec.mamba_type, "name", str(spec.mamba_type))
-    groups = next((int(getattr(hf, a)) for a in _N_GROUPS if getattr(hf, a, None)), 0)
+    groups = mamba2_groups(hf) or 0
     return MambaInfo(kind=_MAMBA_KINDS.get(name, name.lower()),
                      shapes=tuple(tuple(int(d) for d in s) for s in spec.shapes),
                      itemsizes=tuple(torch.empty(0, dtype=d).element_size()

@@ -44,18 +44,17 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvhandoff.integrations import (
+    CUDA_STAGED_ONLY,
+    How,
+    SessionConfig,
+    Transport,
+    coalesce_runs,
+    open_transport,
+    placement,
+)
 from kvhandoff.integrations.vllm.layout import TensorInfo
 from kvhandoff.layout import MemoryKind
-from kvhandoff.plan.runs import runs as coalesce
-from kvhandoff.secret import data_key
-from kvhandoff.session.config import SessionConfig
-from kvhandoff.transport.base import Transport
-from kvhandoff.transport.registry import (
-    CUDA_STAGED_ONLY,
-    CUDA_TESTED,
-    create_transport,
-    transport_class,
-)
 
 log = logging.getLogger("kvhandoff.integrations.vllm")
 
@@ -139,7 +138,7 @@ def mirror_view(t: torch.Tensor, storage: torch.UntypedStorage) -> torch.Tensor:
 def runs(blocks: Sequence[int]) -> list[tuple[int, int]]:
     """Distinct block ids as ``(first, count)`` runs of consecutive ids, ascending."""
     ids = np.unique(np.asarray(blocks, dtype=np.int64))
-    first, count = coalesce(ids)
+    first, count = coalesce_runs(ids)
     return list(zip(ids[first].tolist(), count.tolist(), strict=True))
 
 
@@ -273,27 +272,21 @@ def kv_memory(tensors: Mapping[str, torch.Tensor], groups: Sequence[Sequence[str
               config: SessionConfig, *, producer: bool, host_staging: bool = False,
               gpu_direct: bool = False) -> KvMemory:
     """How a worker reaches vLLM's KV cache (``groups``: layer names per transferable
-    group). A host mirror when ``host_staging`` is set, when the cache is in GPU memory
-    (unless ``gpu_direct``), or on decode when the transport writes only into its own
-    ``allocate``d memory (shm); GPU memory itself over nixl and mooncake with
-    ``gpu_direct`` (their ``cuda`` option); else vLLM's tensors as they are."""
+    group), as the kit decides it (:func:`kvhandoff.integrations.placement`): vLLM's
+    tensors in place (GPU memory registered by nixl or mooncake with ``gpu_direct``), or
+    a host mirror — when ``host_staging`` is set, when the cache is in GPU memory, and on
+    decode when the transport writes only into its own ``allocate``d memory (shm), the
+    mirror then allocated there."""
     name = config.transport
     cuda = any(t.device.type == "cuda" for t in tensors.values())
-    if cuda and name not in CUDA_TESTED:
-        raise ValueError(f"vLLM's KV cache is in GPU memory, which transport {name!r} cannot "
-                         f"move; use one of {sorted(CUDA_TESTED)} "
-                         f"(kv_connector_extra_config.transport)")
-    if gpu_direct and name in CUDA_STAGED_ONLY:
-        raise ValueError(f"gpu_direct: transport {name!r} moves host memory only; "
-                         f"nixl and mooncake can register GPU memory")
-    own = not producer and transport_class(name).capabilities.needs_allocate
-    if not (host_staging or own or (cuda and not gpu_direct)):
-        if cuda:
-            config = config.replace(transport_options={**config.transport_options, "cuda": True})
+    where = placement(name, producer=producer, cuda=cuda, mirror=True,
+                      force_mirror=host_staging, gpu_direct=gpu_direct, engine="vLLM")
+    if where.how is How.IN_PLACE:
+        options = where.transport_options()
+        if options:
+            config = config.replace(transport_options={**config.transport_options, **options})
         return KvMemory(config, tensors)
-    transport = create_transport(  # keyed as the agent keys its own (session.agent)
-        name, **{"data_secret": data_key(config.secret_file), **config.transport_options}
-    ) if own else None
+    transport = open_transport(config) if where.own_memory else None
     try:
         staging = HostStaging(tensors, groups,
                               pin=None if name in CUDA_STAGED_ONLY else False,

@@ -44,7 +44,16 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from kvhandoff.errors import LayoutError
 from kvhandoff.layout import NO_LAYER, Component, Layout, MemoryKind, Region, ShardSpec, TensorSpec
+from kvhandoff.sharding import (
+    ConvSplit,
+    conv_shard,
+    gdn_conv,
+    mamba1_conv,
+    mamba2_conv,
+    ssm_shard,
+)
 from kvhandoff.state_types import StateType
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
@@ -90,41 +99,42 @@ def mamba_states(m: MambaInfo, tp_size: int) -> tuple[StatePart, ...] | str:
                      for i, (o, n) in enumerate(zip(offsets, sizes, strict=True)))
     if m.kind not in ("mamba1", "mamba2", "gdn") or len(m.shapes) != 2:
         return f"recurrent state of kind {m.kind!r} with {len(m.shapes)} parts"
-    conv, ssm = m.shapes
-    groups: tuple[int, ...]
+    conv = m.shapes[0]
     rows, dim = (conv[1], conv[0]) if m.conv_dim_first else (conv[0], conv[1])
-    if m.kind == "mamba1":
-        unit, groups = 1, (dim * tp_size,)
-        ssm_shard = ShardSpec(outer=1, groups=(ssm[0] * tp_size,),
-                              inner_bytes=ssm[1] * m.itemsizes[1])
-    elif m.kind == "mamba2":
-        heads, head_dim, state = ssm
-        x = heads * head_dim * tp_size
-        if not m.n_groups or x % state:
-            return (f"Mamba2 conv channels cannot be cut into groups of {state} "
-                    f"(x {x}, n_groups {m.n_groups})")
-        unit, groups = state, (x // state, m.n_groups, m.n_groups)
-        ssm_shard = ShardSpec(outer=1, groups=(heads * tp_size,),
-                              inner_bytes=head_dim * state * m.itemsizes[1])
-    else:  # gdn: conv [q, k, v] sharded by head, temporal (v_heads, v_dim, k_dim)
-        v_heads, v_dim, k_dim = ssm
-        value = v_heads * v_dim
-        key2 = dim - value
-        if key2 <= 0 or key2 % 2:
-            return f"GDN conv dim {dim} is not 2 x key + value ({value})"
-        unit = math.gcd(k_dim, v_dim)  # whole heads on every rank: TP-independent
-        key = key2 // 2 * tp_size // unit
-        groups = (key, key, value * tp_size // unit)
-        ssm_shard = ShardSpec(outer=1, groups=(v_heads * tp_size,),
-                              inner_bytes=v_dim * k_dim * m.itemsizes[1])
-    if sum(groups) * unit != dim * tp_size and m.kind != "mamba2":
-        return f"{m.kind} conv dim {dim} does not split into {groups} x {unit}"
+    try:
+        split, ssm_spec = _recurrent(m, dim, tp_size)
+    except LayoutError as e:
+        return str(e)
+    if split.channels != dim * tp_size and m.kind != "mamba2":  # mamba2: B/C may be extended
+        return f"{m.kind} conv dim {dim} does not split into {split.blocks} x {split.unit}"
     c = m.itemsizes[0]
-    conv_shard = (ShardSpec(outer=1, groups=groups, inner_bytes=unit * rows * c)
-                  if m.conv_dim_first else
-                  ShardSpec(outer=rows, groups=groups, inner_bytes=unit * c))
-    return (StatePart("conv", offsets[0], sizes[0], conv_shard),
-            StatePart("ssm", offsets[1], sizes[1], ssm_shard))
+    conv_spec = (conv_shard(split, channel_bytes=rows * c) if m.conv_dim_first
+                 else conv_shard(split, channel_bytes=c, outer_rows=rows))
+    return (StatePart("conv", offsets[0], sizes[0], conv_spec),
+            StatePart("ssm", offsets[1], sizes[1], ssm_spec))
+
+
+def _recurrent(m: MambaInfo, dim: int, tp: int) -> tuple[ConvSplit, ShardSpec]:
+    """The conv's sub-blocks and the SSM state's sharding (:mod:`kvhandoff.sharding`)
+    from this rank's shapes; LayoutError when they do not fit the kind's rules."""
+    ssm, isz = m.shapes[1], m.itemsizes[1]
+    if m.kind == "mamba1":  # conv [x], SSM (d_inner, state)
+        return mamba1_conv(dim * tp), ssm_shard(ssm[0] * tp, ssm[1] * isz)
+    if m.kind == "mamba2":  # conv [x | B | C], SSM (heads, head_dim, state)
+        heads, head_dim, state = ssm
+        if not m.n_groups:
+            raise LayoutError(f"Mamba2 conv channels cannot be cut into groups of {state} "
+                              f"(n_groups unknown)")
+        return (mamba2_conv(heads * head_dim * tp, m.n_groups, state),
+                ssm_shard(heads * tp, head_dim * state * isz))
+    v_heads, v_dim, k_dim = ssm  # gdn: conv [q | k | v], temporal (v_heads, v_dim, k_dim)
+    value = v_heads * v_dim
+    key2 = dim - value
+    if key2 <= 0 or key2 % 2:
+        raise LayoutError(f"GDN conv dim {dim} is not 2 x key + value ({value})")
+    # whole heads on every rank: a unit common to key and value heads is TP-independent
+    split = gdn_conv(key2 // 2 * tp, value * tp, unit=math.gcd(k_dim, v_dim))
+    return split, ssm_shard(v_heads * tp, v_dim * k_dim * isz)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,20 +1,24 @@
 """The connector's stats and Prometheus metrics, in vLLM's own classes. Imports vLLM.
 
 Workers hand vLLM the observations of :class:`~kvhandoff.integrations.vllm.worker.Stats`
-each step; vLLM merges them across workers (:meth:`KvhandoffStats.aggregate`), logs a
-summary (:meth:`KvhandoffStats.reduce`) and records them in its Prometheus registry
-(:class:`KvhandoffPromMetrics`), so they appear on the server's own ``/metrics``:
+each step (rows of each handoff's :class:`~kvhandoff.integrations.Figures`); vLLM merges
+them across workers (:meth:`KvhandoffStats.aggregate`), logs a summary
+(:meth:`KvhandoffStats.reduce`) and records them in its Prometheus registry
+(:class:`KvhandoffPromMetrics`), so they appear on the server's own ``/metrics`` under the
+same names, help and buckets as kvhandoff's own metrics (the kit's
+:data:`~kvhandoff.integrations.HANDOFF_SERIES`), with vLLM's labels first:
 
-=======================================  =========  ====================================
-metric                                   kind       labels (beyond vLLM's)
-=======================================  =========  ====================================
-``kvhandoff:handoff_seconds``            histogram  ``role``
-``kvhandoff:phase_seconds``              histogram  ``role``, ``phase``
-``kvhandoff:handoff_bytes``              histogram  ``role``
-``kvhandoff:bytes_total``                counter    ``role``, ``group``
-``kvhandoff:handoffs_total``             counter    ``role``, ``outcome`` (``success`` or
-                                                    the error class: a bounded set)
-=======================================  =========  ====================================
+=====================================  =========  =======================================
+metric                                 kind       labels (beyond vLLM's)
+=====================================  =========  =======================================
+``kvhandoff_handoff_seconds``          histogram  ``role``
+``kvhandoff_phase_seconds``            histogram  ``role``, ``phase``
+``kvhandoff_handoff_bytes``            histogram  ``role``
+``kvhandoff_component_bytes_total``    counter    ``role``, ``component``
+``kvhandoff_requests_total``           counter    ``role``, ``status`` (success / failed)
+``kvhandoff_failures_total``           counter    ``role``, ``reason`` (the error class:
+                                                  a bounded set)
+=====================================  =========  =======================================
 """
 
 from __future__ import annotations
@@ -28,11 +32,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from kvhandoff.integrations import HANDOFF_SERIES, Series
 from kvhandoff.integrations.vllm.worker import STAT_KEYS
 
-_SECONDS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-            10.0, 30.0, 60.0]
-_BYTES = [float(2 ** i) for i in range(10, 36, 2)]
+_SERIES = {x.name.removeprefix("kvhandoff_"): x for x in HANDOFF_SERIES}
 
 
 @dataclass
@@ -78,35 +81,28 @@ class KvhandoffPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
     def __init__(self, vllm_config: Any, metric_types: dict[Any, Any], labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        h, c = self._histogram_cls, self._counter_cls
-        names = list(labelnames)
-        self.handoff = h(name="kvhandoff:handoff_seconds", buckets=_SECONDS,
-                         documentation="Seconds per kvhandoff handoff, start to finish",
-                         labelnames=[*names, "role"])
-        self.phase = h(name="kvhandoff:phase_seconds", buckets=_SECONDS,
-                       documentation="Seconds per handoff phase (prefill: wait_indices, "
-                                     "prepare, transfer, settle; decode: bootstrap, "
-                                     "transfer)",
-                       labelnames=[*names, "role", "phase"])
-        self.size = h(name="kvhandoff:handoff_bytes", buckets=_BYTES,
-                      documentation="Bytes per successful handoff",
-                      labelnames=[*names, "role"])
-        self.bytes = c(name="kvhandoff:bytes", documentation="Bytes handed off, per KV-cache "
-                       "group", labelnames=[*names, "role", "group"])
-        self.outcomes = c(name="kvhandoff:handoffs", documentation="Finished handoffs by "
-                          "outcome: success or the error class",
-                          labelnames=[*names, "role", "outcome"])
+        self.metrics = {key: self._make(x, list(labelnames)) for key, x in _SERIES.items()}
+
+    def _make(self, x: Series, names: list[str]) -> Any:
+        labels = [*names, *x.labels]
+        if x.buckets is None:
+            return self._counter_cls(name=x.name, documentation=x.doc, labelnames=labels)
+        return self._histogram_cls(name=x.name, documentation=x.doc, labelnames=labels,
+                                   buckets=list(x.buckets))
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         base = [str(v) for v in self.per_engine_labelvalues[engine_idx]]
-        d = transfer_stats_data
+        d, m = transfer_stats_data, self.metrics
         for role, s in d.get("handoff_seconds", ()):
-            self.handoff.labels(*base, role).observe(s)
+            m["handoff_seconds"].labels(*base, role).observe(s)
         for role, phase, s in d.get("phase_seconds", ()):
-            self.phase.labels(*base, role, phase).observe(s)
+            m["phase_seconds"].labels(*base, role, phase).observe(s)
         for role, n in d.get("bytes", ()):
-            self.size.labels(*base, role).observe(n)
-        for role, group, n in d.get("group_bytes", ()):
-            self.bytes.labels(*base, role, group).inc(n)
+            m["handoff_bytes"].labels(*base, role).observe(n)
+        for role, component, n in d.get("group_bytes", ()):
+            m["component_bytes"].labels(*base, role, component).inc(n)
         for role, outcome in d.get("outcomes", ()):
-            self.outcomes.labels(*base, role, outcome).inc()
+            ok = outcome == "success"
+            m["requests"].labels(*base, role, "success" if ok else "failed").inc()
+            if not ok:
+                m["failures"].labels(*base, role, outcome).inc()

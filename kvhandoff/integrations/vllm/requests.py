@@ -17,6 +17,7 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvhandoff.indices import token_pages
 from kvhandoff.integrations.vllm.layout import GroupInfo
 
 
@@ -36,26 +37,20 @@ def rules_for(groups: Sequence[GroupInfo], windows: Sequence[int],
                  for g, w, s in zip(groups, windows, spec_blocks, strict=True))
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def pick(rule: GroupRule, blocks: Sequence[int], *, start: int, end: int) -> list[int]:
     """The blocks of tokens ``[start, end)`` that move for this group (``start`` is a
     multiple of the block size: a prefix hit)."""
-    bs = rule.block_size
     if rule.kind == "mamba":
         if not blocks:
             raise ValueError("a Mamba group holds no block for this request")
         keep = len(blocks) - min(rule.spec_blocks, len(blocks) - 1)
         return [int(blocks[keep - 1])]
-    if rule.kind == "sliding":
-        start = max(start, end - rule.window) // bs * bs if rule.window else start
-    first, last = start // bs, _cdiv(end, bs)
-    if last > len(blocks):
+    span = token_pages(start, end, rule.block_size,
+                       window=rule.window if rule.kind == "sliding" else 0)
+    if span.stop > len(blocks):
         raise ValueError(f"{rule.kind} group: tokens [{start}, {end}) need blocks "
-                         f"{first}..{last - 1} but the request holds {len(blocks)}")
-    return [int(b) for b in blocks[first:last]]
+                         f"{span.start}..{span.stop - 1} but the request holds {len(blocks)}")
+    return [int(b) for b in blocks[span.start:span.stop]]
 
 
 def prompt_digest(token_ids: Sequence[int], n: int) -> str:

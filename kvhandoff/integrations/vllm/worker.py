@@ -15,7 +15,10 @@ vLLM calls in on its step thread; the agent's own threads move the bytes. ``fini
   as a finished *send* once released, since vLLM kept its blocks for us.
 
 Each request leases an aux row (the 16-byte arrival guard decode checks before it says
-SUCCESS) from a small pool for its lifetime.
+SUCCESS) from the kit's :class:`~kvhandoff.integrations.AuxPool` for its lifetime. When a
+request is over for vLLM is the kit's outcome table (:func:`kvhandoff.integrations.outcome`).
+A :class:`~kvhandoff.integrations.HandoffHook` (a test rig's; none by default) hears of
+each send, landing and finished handoff.
 
 With a :class:`Staging` (vLLM's KV in GPU memory over tcp/shm, or ``host_staging``), the
 layout describes a host mirror: prefill copies a request's blocks into it before its
@@ -26,34 +29,32 @@ the worker closes it, after the transport.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from types import SimpleNamespace
-from typing import Any, Protocol
+from typing import Protocol
 
-import numpy as np
-
+from kvhandoff.integrations import (
+    AuxPool,
+    Figures,
+    HandoffHook,
+    HandshakeError,
+    LocalProtocolError,
+    Outcome,
+    Receiver,
+    Role,
+    Sender,
+    SessionConfig,
+    Transport,
+    figures,
+    open_rank,
+    outcome,
+)
 from kvhandoff.integrations.vllm.requests import RecvReq, SendReq, StepMeta
-from kvhandoff.layout import Layout, MemoryKind
-from kvhandoff.memory import raw_view
-from kvhandoff.observe import timeline as tl
-from kvhandoff.protocol import LocalProtocolError
-from kvhandoff.session.config import SessionConfig
-from kvhandoff.session.errors import HandshakeError
-from kvhandoff.session.rank.agent import Agent
-from kvhandoff.session.request.aux import AuxSpec
-from kvhandoff.session.request.receiver import Receiver
-from kvhandoff.session.request.sender import Sender
-from kvhandoff.session.request.status import Status
-from kvhandoff.transport.base import Transport
+from kvhandoff.layout import Layout
 
 log = logging.getLogger("kvhandoff.integrations.vllm")
 
-AUX = AuxSpec()
 AUX_NAME = "aux"
 
 
@@ -68,39 +69,18 @@ class Staging(Protocol):
     def close(self) -> None: ...
 
 
-class AuxRows:
-    """A fixed pool of aux rows; a request holds one from start to finish. ``allocate``
-    supplies the buffer (a transport's, where peers may write only there)."""
-
-    def __init__(self, n: int, allocate: Callable[[int], np.ndarray[Any, Any]] | None = None
-                 ) -> None:
-        if allocate is None:
-            self.buffer, self.component = AUX.allocate(n, name=AUX_NAME)
-        else:
-            self.buffer = allocate(n * AUX.row_bytes)
-            self.component = AUX.component(ptr=int(self.buffer.ctypes.data), num_rows=n,
-                                           name=AUX_NAME)
-        self._free = list(range(n - 1, -1, -1))
-
-    def take(self) -> int | None:
-        return self._free.pop() if self._free else None
-
-    def give(self, row: int) -> None:
-        self._free.append(row)
-
-
 STAT_KEYS = ("handoff_seconds", "phase_seconds", "bytes", "group_bytes", "outcomes")
+
 
 class Stats:
     """Observations since the last report, as vLLM's connector stats want them: a dict of
-    lists (it pickles them from the worker to the process that exports metrics).
+    lists of plain values (it pickles them from the worker to the process that exports
+    metrics), each row taken from one handoff's :class:`~kvhandoff.integrations.Figures`.
 
-    ``handoff_seconds``: per successful handoff ``[role, seconds]``, opened to settled
-    (prefill) or landed (decode); ``phase_seconds``: ``[role, phase, seconds]`` for the
-    phases in :data:`kvhandoff.observe.timeline.PHASES`, taken from the request's
-    timeline (when each event happened, not when a step polled it); ``bytes`` and
-    ``group_bytes``: what a successful handoff moved (``[role, n]``, ``[role, component,
-    n]``); ``outcomes``: ``[role, "success" or the error class]``."""
+    ``handoff_seconds``: per successful handoff ``[role, seconds]``; ``phase_seconds``:
+    ``[role, phase, seconds]``; ``bytes`` and ``group_bytes``: what a successful handoff
+    moved (``[role, n]``, ``[role, component, n]``); ``outcomes``: ``[role, "success" or
+    the error class]``."""
 
     def __init__(self) -> None:
         self.data: dict[str, list[list[object]]] = {k: [] for k in STAT_KEYS}
@@ -112,17 +92,15 @@ class Stats:
     def empty(self) -> bool:
         return not any(self.data.values())
 
-    def outcome(self, role: str, what: str) -> None:
-        self.data["outcomes"].append([role, what])
-
-    def phases(self, role: str, timeline: tl.Timeline, groups: dict[str, int]) -> None:
-        total = timeline.span(tl.OPENED, tl.END[role])
-        if total is not None:
-            self.data["handoff_seconds"].append([role, total])
-        for phase, s in tl.phase_seconds(role, timeline).items():
-            self.data["phase_seconds"].append([role, phase, s])
-        self.data["bytes"].append([role, sum(groups.values())])
-        self.data["group_bytes"].extend([role, g, n] for g, n in groups.items())
+    def add(self, f: Figures) -> None:
+        self.data["outcomes"].append([f.role, f.outcome])
+        if not f.success:
+            return
+        if f.seconds is not None:
+            self.data["handoff_seconds"].append([f.role, f.seconds])
+        self.data["phase_seconds"].extend([f.role, p, s] for p, s in f.phases.items())
+        self.data["bytes"].append([f.role, f.nbytes])
+        self.data["group_bytes"].extend([f.role, g, n] for g, n in f.component_bytes.items())
 
 
 @dataclass(slots=True)
@@ -141,18 +119,15 @@ class _In:
     aborted: bool = False  # decode's vLLM request ended: report it as a finished send
 
 
-def _reason(err: object) -> str:
-    return type(err).__name__ if err is not None else "unknown"
-
-
 class WorkerSide:
     """See the module docstring. Called from vLLM's step thread only."""
 
-    def __init__(self, layout: Layout, rows: AuxRows, *, producer: bool, bootstrap: str,
+    def __init__(self, layout: Layout, rows: AuxPool, *, producer: bool, bootstrap: str,
                  config: SessionConfig, kv_name: str | None,
-                 staging: Staging | None = None, transport: Transport | None = None
-                 ) -> None:
+                 staging: Staging | None = None, transport: Transport | None = None,
+                 hook: HandoffHook | None = None) -> None:
         self.producer = producer
+        self.hook = hook
         self.staging = staging
         self.role = "prefill" if producer else "decode"
         self.layout = layout
@@ -164,11 +139,10 @@ class WorkerSide:
         self.names = [c.name for c in layout.components if c.name != AUX_NAME]
         self._item_bytes = {c.name: sum(t.item_bytes for t in c.tensors)
                             for c in layout.components}
-        if producer:
-            self.agent = Agent.prefill(layout, bootstrap_url=bootstrap, config=config,
-                                       transport=transport)
-        else:
-            self.agent = Agent.decode(layout, config=config, transport=transport)
+        self.agent = open_rank(layout, config, role=Role.PREFILL if producer else Role.DECODE,
+                               bootstrap_url=bootstrap if producer else None,
+                               transport=transport)
+        if not producer:
             self._check_pair(bootstrap)
 
     def _check_pair(self, bootstrap: str) -> None:
@@ -242,8 +216,8 @@ class WorkerSide:
                 state[name] = list(blocks)
         if self.staging is not None:
             self.staging.to_host(s.blocks)  # synchronised: the transport reads them next
-        self.rows.buffer[row * AUX.row_bytes:(row + 1) * AUX.row_bytes] = 0
-        self._dump("prefill", s.request_id, s.blocks)
+        self.rows.row(row)[:] = 0
+        self._tell("sending", s.request_id, s.blocks)
         sender.init(len(kv_pages), row, num_tokens=s.num_tokens)
         sender.send(list(kv_pages), state, last=True)
 
@@ -261,40 +235,39 @@ class WorkerSide:
         rec.init(indices, row, decode_prefix_len=r.prefix_tokens)
 
     def finished(self) -> tuple[set[str], set[str], set[str]]:
-        """(finished sends, finished receives, failed receives) since the last call. A
-        failed receive is reported in both of the last two, as vLLM wants it (its
+        """(finished sends, finished receives, failed receives) since the last call, as
+        the kit's outcome table says (a request is over once nothing touches its blocks).
+        A failed receive is reported in both of the last two, as vLLM wants it (its
         ``kv_load_failure_policy`` then fails or recomputes the request)."""
         sending: set[str] = set()
         recving: set[str] = set()
         failed: set[str] = set()
         for rid, o in list(self._out.items()):
-            st = o.sender.poll()
-            if st not in (Status.SUCCESS, Status.FAILED) or not o.sender.settled:
+            if outcome(o.sender).outcome is Outcome.PENDING:
                 continue
             del self._out[rid]
             if o.row is not None:
                 self.rows.give(o.row)
             sending.add(rid)
-            self._finish(rid, o.sender, st, o.groups)
+            self._finish(rid, o.sender, o.groups)
         for rid, e in list(self._in.items()):
             rec = e.receiver
-            st = rec.poll() if rec is not None else Status.FAILED
-            if st is Status.SUCCESS:
-                self._dump("decode", rec.request_id if rec else rid, e.lists)
-            elif st is Status.FAILED and (rec is None or rec.released):
-                if not e.aborted:
-                    failed.add(rid)
-            else:
+            result = outcome(rec).outcome if rec is not None else Outcome.FAILED
+            if result is Outcome.PENDING:
                 continue
             del self._in[rid]
             if e.row is not None:
                 self.rows.give(e.row)
-            if st is Status.SUCCESS and not e.aborted and not self._unstage(rid, e.lists):
-                failed.add(rid)  # arrived, but not in vLLM's blocks: fail the load
-                recving.add(rid)
-                continue
+            if result is Outcome.SUCCEEDED:
+                self._tell("landed", rec.request_id if rec else rid, e.lists)
+                if not e.aborted and not self._unstage(rid, e.lists):
+                    failed.add(rid)  # arrived, but not in vLLM's blocks: fail the load
+                    recving.add(rid)
+                    continue
+            elif not e.aborted:
+                failed.add(rid)
             (sending if e.aborted else recving).add(rid)
-            self._finish(rid, rec, st, e.groups)
+            self._finish(rid, rec, e.groups)
         return sending, recving, failed
 
     def _unstage(self, rid: str, lists: tuple[tuple[int, ...], ...]) -> bool:
@@ -307,41 +280,31 @@ class WorkerSide:
         except Exception:  # a failed copy fails this load, never the engine loop
             log.exception("request %s: received, but its blocks could not be copied into "
                           "vLLM's KV cache", rid)
-            self.stats.outcome(self.role, "StagingError")
+            self.stats.add(Figures(role=self.role, outcome="StagingError"))
             return False
         return True
 
-    def _finish(self, rid: str, side: Sender | Receiver | None, st: Status,
-                groups: dict[str, int]) -> None:
-        if st is Status.SUCCESS and side is not None:
-            self.stats.outcome(self.role, "success")
-            self.stats.phases(self.role, side.timeline, groups)
-            self._dump_timing(side)
+    def _finish(self, rid: str, side: Sender | Receiver | None, groups: dict[str, int]) -> None:
+        if side is None:
+            self.stats.add(Figures(role=self.role, outcome="NoAuxRow"))
+            log.warning("request %s: handoff failed on %s: no free aux row", rid, self.role)
             return
-        reason = _reason(side.error) if side is not None else "NoAuxRow"
-        self.stats.outcome(self.role, reason)
-        log.warning("request %s: handoff failed on %s: %s", rid, self.role,
-                    side.reason if side is not None else "no free aux row")
+        f = figures(self.role, side, component_bytes=groups)
+        self.stats.add(f)
+        if self.hook is not None:
+            self.hook.finished(str(side.request_id), f)
+        if not f.success:
+            log.warning("request %s: handoff failed on %s: %s", rid, self.role, side.reason)
 
-    def _dump(self, side: str, rid: object, lists: tuple[tuple[int, ...], ...]) -> None:
-        """With ``KVHANDOFF_VLLM_DUMP=FILE``, append per component a digest of its moving
-        blocks (tests compare prefill's with decode's, byte for byte) and their bytes.
-        Without it, nothing is read: a handoff never pays for the digest."""
-        if not os.environ.get("KVHANDOFF_VLLM_DUMP"):
+    def _tell(self, event: str, rid: object, lists: tuple[tuple[int, ...], ...]) -> None:
+        """Hand the hook (if any) the blocks of each component a request moves."""
+        if self.hook is None:
             return
-        _append_dump([
-            {"side": side, "request": str(rid), "component": name, "blocks": len(blocks),
-             "bytes": len(data), "sha256": hashlib.sha256(data.tobytes()).hexdigest()}
-            for name, blocks in zip(self.names, lists, strict=True)
-            for data in (block_bytes(self.layout, name, list(blocks)),)])
-
-    def _dump_timing(self, side: Sender | Receiver) -> None:
-        """With ``KVHANDOFF_VLLM_DUMP``, a successful handoff's phases in milliseconds
-        (``handoff`` for the whole of it)."""
-        end = side.timeline.span(tl.OPENED, tl.END[self.role])
-        ms = {p: 1e3 * s for p, s in tl.phase_seconds(self.role, side.timeline).items()}
-        _append_dump([{"side": self.role, "request": str(side.request_id),
-                       "timing": {**ms, "handoff": None if end is None else 1e3 * end}}])
+        named = dict(zip(self.names, lists, strict=True))
+        if event == "sending":
+            self.hook.sending(str(rid), self.layout, named)
+        else:
+            self.hook.landed(str(rid), self.layout, named)
 
     def close(self) -> None:
         for o in self._out.values():
@@ -352,30 +315,3 @@ class WorkerSide:
         self.agent.close()
         if self.staging is not None:  # once the transport is closed: nothing writes there
             self.staging.close()
-
-
-def _append_dump(rows: list[dict[str, Any]]) -> None:
-    path = os.environ.get("KVHANDOFF_VLLM_DUMP")
-    if path and rows:
-        with open(path, "a") as f:
-            f.write("".join(json.dumps(r) + "\n" for r in rows))
-
-
-def block_bytes(layout: Layout, name: str, blocks: list[int]) -> np.ndarray[Any, Any]:
-    """``blocks`` of every tensor of component ``name``, concatenated (for comparisons);
-    blocks in GPU memory are copied to the host first."""
-    c = layout.component(name)
-    parts = [_read(t.ptr + b * t.item_stride, t.item_bytes, t.memory, t.device)
-             for t in c.tensors for b in blocks]
-    return np.concatenate(parts) if parts else np.zeros(0, np.uint8)
-
-
-def _read(ptr: int, nbytes: int, memory: MemoryKind, device: int) -> np.ndarray[Any, Any]:
-    """A copy of ``nbytes`` at ``ptr`` (a host view when the memory is the host's)."""
-    if memory is MemoryKind.HOST:
-        return raw_view(ptr, nbytes)
-    import torch
-
-    ref = SimpleNamespace(__cuda_array_interface__={  # how torch reads a device pointer
-        "shape": (nbytes,), "typestr": "|u1", "data": (ptr, True), "version": 3})
-    return torch.as_tensor(ref, device=f"cuda:{device}").cpu().numpy()

@@ -6,7 +6,7 @@
 each cache layer's *kind* picks a codec (:mod:`kvhandoff.lab.engine.codecs`), and the
 tensors' shapes give the dimensions. The one piece of family knowledge is how a
 linear-attention conv's channels split into independently sharded sub-blocks, read from
-the family's config (:data:`_DELTA_NET_DIMS`, :data:`_MAMBA2_GROUPS`) and checked against
+the family's config (:mod:`kvhandoff.sharding`'s spelling tables) and checked against
 the cache: delta nets (gated: Qwen3-Next, Qwen3.5, OLMo-hybrid; Kimi: Kimi-Linear,
 Bailing-hybrid) use ``[q | k | v]`` with q and k of the key heads and v of the value heads
 (unequal blocks in general); Mamba2 mixers use ``[x | B | C]`` with B and C of the
@@ -55,6 +55,7 @@ from kvhandoff.lab.engine.codecs import (
     ShortConvCodec,
 )
 from kvhandoff.lab.shapes import ConvInput, KVGroup, LayerConv, LayerKind, ModelShape
+from kvhandoff.sharding import DELTA_NET_DIMS, MAMBA2_GROUPS, delta_net_dims, mamba2_groups
 
 _PROBE_TOKENS = 8
 _DSV4_KINDS = ("compressed_sparse_attention", "heavily_compressed_attention")
@@ -137,28 +138,6 @@ def _short_conv(layer: Any) -> bool:
     """A short-convolution mixer's layer (LFM2): one conv state and no recurrent state."""
     return bool(layer.number_of_states == 1 and layer.conv_states[0] is not None
                 and layer.recurrent_states[0] is None)
-
-
-_DELTA_NET_DIMS = (
-    # (key heads, key head dim, value heads, value head dim) as each family's config names
-    # them: conv [q | k | v] = (kh*kd, kh*kd, vh*vd), every block sharded on its own
-    ("linear_num_key_heads", "linear_key_head_dim", "linear_num_value_heads",
-     "linear_value_head_dim"),  # gated delta nets: Qwen3-Next, Qwen3.5, OLMo-hybrid
-    ("linear_num_heads", "linear_head_dim", "linear_num_heads",
-     "linear_head_dim"),  # Kimi delta attention: Kimi-Linear, Bailing-hybrid
-)
-_MAMBA2_GROUPS = (("n_groups",), ("mamba_n_groups",), ("mamba_ngroups",))
-"""Where configs keep a Mamba2 mixer's B/C group count (conv [x | B | C])."""
-
-
-def _config_dims(cfg: Any, spellings: tuple[tuple[str, ...], ...]) -> tuple[int, ...] | None:
-    """The first spelling whose every attribute ``cfg`` sets to an int, as ints."""
-    for names in spellings:
-        values = [getattr(cfg, n, None) for n in names]
-        ints = [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
-        if len(ints) == len(names):
-            return tuple(ints)
-    return None
 
 
 def _conv_only(layer: Any) -> bool:
@@ -357,8 +336,8 @@ class _ShapeBuilder:
             return (LinearCodec(layer=i, conv=(channels, width), ssm=(inner, state),
                                 conv_dtype=conv.dtype, ssm_dtype=ssm.dtype), LayerKind.MAMBA1)
         heads, a, b = ssm.shape[1], ssm.shape[2], ssm.shape[3]
-        qkv = _config_dims(cfg, _DELTA_NET_DIMS)
-        groups = _config_dims(cfg, _MAMBA2_GROUPS)
+        qkv = delta_net_dims(cfg)
+        groups = mamba2_groups(cfg)
         if qkv is not None:  # a delta net (GDN, KDA): conv [q | k | v], SSM [v heads, k, v]
             kh, kd, vh, vd = qkv
             want = (2 * kh * kd + vh * vd, vh, kd, vd)
@@ -371,7 +350,7 @@ class _ShapeBuilder:
                       **common)
             kind = LayerKind.GDN
         elif groups is not None:  # Mamba2: conv [x | B | C], x = heads x head_dim,
-            (g,) = groups  # B = C = n_groups x state
+            g = groups  # B = C = n_groups x state
             if channels != heads * a + 2 * g * b:
                 raise LayoutError(
                     f"{self.name} layer {i}: conv channels {channels} are not the config's "
@@ -389,8 +368,8 @@ class _ShapeBuilder:
             raise LayoutError(
                 f"{self.name} layer {i}: a conv of {channels} channels beside an SSM state "
                 f"[{heads}, {a}, {b}], and the config names no q/k/v split "
-                f"({', '.join('/'.join(d) for d in _DELTA_NET_DIMS)}) and no Mamba2 groups "
-                f"({', '.join(n for (n,) in _MAMBA2_GROUPS)}): the engine cannot tell how "
+                f"({', '.join('/'.join(d) for d in DELTA_NET_DIMS)}) and no Mamba2 groups "
+                f"({', '.join(MAMBA2_GROUPS)}): the engine cannot tell how "
                 f"TP shards the conv's channels")
         return (LinearCodec(layer=i, conv=(channels, width), ssm=(heads, a, b),
                             conv_dtype=conv.dtype, ssm_dtype=ssm.dtype), kind)

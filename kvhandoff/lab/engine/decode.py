@@ -26,10 +26,9 @@ from kvhandoff.lab.engine.codecs import Key, RowArray, Series
 from kvhandoff.lab.engine.instance import (
     AUX_KEY,
     VALID_FROM_KEY,
-    Aux,
     Instance,
     Snapshot,
-    guard_of,
+    unpack_aux,
 )
 from kvhandoff.lab.engine.lists import component_lists
 from kvhandoff.lab.engine.pools import PoolConfig
@@ -100,7 +99,7 @@ class DecodeInstance(Instance):
             self._release(Ticket(rid, toks, req, prefix), donate=False)
             raise
         for rank in self.ranks:  # a guard found later was written for this request
-            rank.units(AUX_KEY)[req.slot] = 0
+            rank.units(AUX_KEY)[req.aux_row] = 0
         for d in range(self.tp):
             transfer.open(rid, d, lists, prefix)
         ticket = Ticket(rid, toks, req, prefix)
@@ -119,8 +118,8 @@ class DecodeInstance(Instance):
             if corrupt is not None:
                 self.corrupt(t, corrupt)
             slot = np.array([t.req.slot], dtype=np.int64)
-            aux_row, agree = self.read(AUX_KEY, slot)
-            aux, problem = Aux.unpack(aux_row, guard_of(rid))
+            aux_row, agree = self.read(AUX_KEY, np.array([t.req.aux_row], dtype=np.int64))
+            aux, problem = unpack_aux(aux_row, rid)
             if aux is None:
                 return DecodeOutcome(tokens=[], snapshot={}, replicas_agree=agree,
                                      problem=f"request {rid}: {problem}")
@@ -163,7 +162,8 @@ class DecodeInstance(Instance):
         component, _, tensor = target.partition("/")
         for key, at in ((AUX_KEY, 16), (VALID_FROM_KEY, 0)):  # integer fields: low byte
             if component == key[0]:
-                self.ranks[0].units(key)[t.req.slot, at] ^= 0x01
+                row = t.req.aux_row if key == AUX_KEY else t.req.slot
+                self.ranks[0].units(key)[row, at] ^= 0x01
                 return
         for codec in self.arch.layer_codecs:
             for f in codec.fields:

@@ -18,11 +18,6 @@ reassembles from every rank and reports whether replicas agreed.
 
 from __future__ import annotations
 
-import hashlib
-import struct
-import zlib
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -42,53 +37,46 @@ from kvhandoff.lab.engine.pools import (
 from kvhandoff.lab.engine.sharding import join, split
 from kvhandoff.lab.engine.tables import ReqTable, Tables
 from kvhandoff.layout import NO_LAYER, Layout
+from kvhandoff.session.request.aux import (
+    MAGIC,
+    AuxRecord,
+    AuxSpec,
+    AuxState,
+    check,
+    stamp,
+)
 from kvhandoff.state_types import StateType
 
 AUX_KEY: Key = ("aux", "aux", NO_LAYER)
 VALID_FROM_KEY: Key = ("swa_valid_from", "swa_valid_from", NO_LAYER)
-_MAGIC = 0x3148564B  # b"KVH1"
 
 Snapshot = dict[Key, tuple[IdArray, RowArray]]
 
 
-@dataclass(frozen=True, slots=True)
-class Aux:
-    """The metadata row prefill writes with the last chunk (sglang's ``MetadataBuffers``
-    row), in the byte layout of :mod:`kvhandoff.session.request.aux`: a 16-byte header (guard
-    ``u64``, crc32 of the body ``u32``, magic ``u32``) then the first token ``i64``, its
-    logprob ``f32`` and a zero top-logprob count. In-process the engine writes the header
-    itself; a session :class:`Sender` restamps it with its own guard."""
-
-    first_token: int
-    first_logprob: float
-
-    def pack(self, row_bytes: int, guard: int) -> RowArray:
-        row = np.zeros(row_bytes, dtype=np.uint8)
-        body = struct.pack("<qfI", self.first_token, self.first_logprob, 0)
-        row[16:16 + len(body)] = np.frombuffer(body, dtype=np.uint8)
-        crc = zlib.crc32(row[16:].tobytes())
-        row[:16] = np.frombuffer(struct.pack("<QII", guard, crc, _MAGIC), dtype=np.uint8)
-        return row.reshape(1, -1)
-
-    @classmethod
-    def unpack(cls, row: RowArray, guard: int) -> tuple[Aux | None, str]:
-        """The record, or ``None`` and why the row is not this request's intact row."""
-        raw = row.reshape(-1)
-        found, crc, magic = struct.unpack("<QII", raw[:16].tobytes())
-        if found != guard:
-            return None, f"aux row holds guard {found:#x}, expected {guard:#x}"
-        if magic != _MAGIC or crc != zlib.crc32(raw[16:].tobytes()):
-            return None, "aux row is torn or corrupt (crc32 mismatch)"
-        first, logprob, _ = struct.unpack("<qfI", raw[16:32].tobytes())
-        return cls(first, logprob), ""
+AUX = AuxSpec()
+"""The aux row format (sglang's ``MetadataBuffers`` row): the session's own
+(:mod:`kvhandoff.session.request.aux`), so a session ``Sender`` restamps the same guard
+and decode's check holds over either transfer."""
 
 
-def guard_of(rid: int) -> int:
-    """The non-zero arrival guard of request ``rid``: the formula of
-    ``kvhandoff.session.request.aux.request_guard``, so a session ``Sender`` restamps the same
-    value and decode's check holds over either transfer."""
-    key = f"int:{rid}".encode()
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") | 1
+def pack_aux(rid: int, first_token: int, first_logprob: float, row_bytes: int) -> RowArray:
+    """Request ``rid``'s aux row of ``row_bytes``: its first token and logprob, stamped
+    with its guard and crc (in-process the engine stamps it itself)."""
+    row = np.zeros(row_bytes, dtype=np.uint8)
+    AUX.pack(row, first_token=first_token, first_logprob=first_logprob)
+    stamp(row, rid)
+    return row.reshape(1, -1)
+
+
+def unpack_aux(row: RowArray, rid: int) -> tuple[AuxRecord | None, str]:
+    """Request ``rid``'s record, or ``None`` and why the row is not its intact row."""
+    raw = row.reshape(-1)
+    state, why = check(raw, rid)
+    if state is not AuxState.OK:
+        return None, f"aux row {state.value}: {why}"
+    if int(raw[12:16].view("<u4")[0]) != MAGIC:
+        return None, "aux row is torn or corrupt (no header magic)"
+    return AUX.unpack(raw), ""
 
 
 class Instance:

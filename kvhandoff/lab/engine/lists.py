@@ -11,7 +11,8 @@ KV, MLA, NSA        pages of ``[prefix, n)`` (KV / MLA are sliced chunk by chunk
 SWA                 SWA pages of the window ``[page_floor(max(prefix, n - W)), n)``
 DSV4_SWA            the same on the DeepSeek-V4 SWA pool, plus the C4 compressor's live
                     positions (ring rows pair by position)
-MAMBA, AUX,         the request slot
+MAMBA, REQUEST_ROW  the request slot
+AUX                 the request's aux row (leased apart)
 REQUEST_ROW
 DSV4_REQUEST        the request slot while C128 state is pending (``n % 128``), else none
 ==================  =====================================================================
@@ -54,7 +55,9 @@ def component_lists(
             out[c.name] = ItemList(items=mamba_slot(req.slot))
         elif t is StateType.DSV4_REQUEST:
             out[c.name] = ItemList(items=slot if n % 128 else slot[:0])
-        elif t in (StateType.AUX, StateType.REQUEST_ROW):
+        elif t is StateType.AUX:
+            out[c.name] = ItemList(items=np.array([req.aux_row], dtype=np.int64))
+        elif t is StateType.REQUEST_ROW:
             out[c.name] = ItemList(items=slot)
         else:
             raise ValueError(f"component {c.name!r}: the engine has no list for {t.value}")

@@ -30,10 +30,9 @@ from kvhandoff.lab.engine.codecs import Series
 from kvhandoff.lab.engine.instance import (
     AUX_KEY,
     VALID_FROM_KEY,
-    Aux,
     Instance,
     Snapshot,
-    guard_of,
+    pack_aux,
 )
 from kvhandoff.lab.engine.lists import component_lists
 from kvhandoff.lab.engine.pools import CHUNKED_TYPES, PoolConfig
@@ -71,7 +70,8 @@ class PrefillInstance(Instance):
             # move with the last chunk like every other state component)
             chunked = any(c.type in CHUNKED_TYPES for c in self.layout.components)
             pages_total = -(-n // ps) if chunked else 0
-            prefix = max(transfer.start(rid, r, pages_total, req.slot) for r in range(self.tp))
+            prefix = max(transfer.start(rid, r, pages_total, req.aux_row)
+                         for r in range(self.tp))
             cache = self.new_cache()
             marks = {k: 0 for k, (_, f) in self.fields.items()
                      if f.series in (Series.TOKENS, Series.ENTRIES)}
@@ -130,8 +130,8 @@ class PrefillInstance(Instance):
         slot = np.array([req.slot], dtype=np.int64)
         first = int(logits.argmax())
         logprob = float(torch.log_softmax(logits.float(), -1)[first])
-        aux = Aux(first_token=first, first_logprob=logprob)
-        self.write(AUX_KEY, slot, aux.pack(self.global_row_bytes(AUX_KEY), guard_of(rid)))
+        self.write(AUX_KEY, np.array([req.aux_row], dtype=np.int64),
+                   pack_aux(rid, first, logprob, self.global_row_bytes(AUX_KEY)))
         if self.has(VALID_FROM_KEY):
             valid = np.array([[max(0, n - self.arch.window + 1)]], dtype=np.int64)
             self.write(VALID_FROM_KEY, slot, valid.view(np.uint8))

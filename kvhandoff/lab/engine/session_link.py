@@ -22,10 +22,12 @@ joins them for one process. Bytes per component are counted on decode from its o
 destination lists (each destination item is written exactly once).
 
 ``transport`` names any transport of :mod:`kvhandoff.transport.registry` (``tcp``,
-``shm``, ``mooncake``, ``nixl``, …); each rank gets its own instance. A transport whose
-destinations must come from its ``allocate`` (shm) gets them: decode moves each rank's
-pools into that memory (:meth:`~kvhandoff.lab.engine.pools.RankPools.relocate`) before
-registering them.
+``shm``, ``mooncake``, ``nixl``, …); each rank gets its own instance, opened as every
+engine's is (:func:`kvhandoff.integrations.open_rank`): keyed by the deployment secret of
+``config`` (default: the environment's). A transport whose destinations must come from
+its ``allocate`` (shm) gets them: decode relocates each rank's pools into that memory
+(:meth:`~kvhandoff.lab.engine.pools.RankPools.relocate`) before registering them, as
+:func:`kvhandoff.integrations.placement` decides.
 """
 
 from __future__ import annotations
@@ -35,16 +37,24 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Self
 
+from kvhandoff.errors import LayoutError
+from kvhandoff.integrations import (
+    Agent,
+    How,
+    Receiver,
+    Role,
+    Sender,
+    SessionConfig,
+    Status,
+    Transport,
+    open_rank,
+    open_transport,
+    placement,
+)
 from kvhandoff.lab.engine.transfer import Chunk, Endpoint, ItemList, Relocatable, TransferReport
 from kvhandoff.layout import Layout
 from kvhandoff.protocol import IndexListMsg
 from kvhandoff.session.errors import SessionError
-from kvhandoff.session.rank.agent import Agent
-from kvhandoff.session.request.receiver import Receiver
-from kvhandoff.session.request.sender import Sender
-from kvhandoff.session.request.status import Status
-from kvhandoff.transport.base import Transport
-from kvhandoff.transport.registry import create_transport
 
 
 class LinkError(RuntimeError):
@@ -62,22 +72,31 @@ def landed_bytes(layout: Layout, lists: Mapping[str, ItemList]) -> dict[str, int
     return out
 
 
-def decode_transport(rank: Endpoint, name: str, label: str) -> Transport:
-    """A new ``name`` transport for one decode rank; when its destinations must come from
-    its own ``allocate``, the rank's pools move there first."""
-    t = create_transport(name)
-    if t.capabilities.needs_allocate:
-        if not isinstance(rank, Relocatable):
-            t.close()
-            raise LinkError(f"{label}: transport {name!r} writes only into memory from its "
-                            f"allocate(), and {type(rank).__name__} cannot relocate its "
-                            f"buffers")
-        try:
-            rank.relocate(t.allocate)
-        except BaseException:
-            t.close()
-            raise
+def decode_transport(rank: Endpoint, config: SessionConfig, label: str) -> Transport | None:
+    """The transport one decode rank must register with, made first when its
+    destinations must come from the transport's own ``allocate`` (the rank's pools move
+    there); None when the agent may make its own."""
+    try:
+        where = placement(config.transport, producer=False,
+                          relocate=isinstance(rank, Relocatable), engine=label)
+    except LayoutError as e:
+        raise LinkError(f"{label}: {e} ({type(rank).__name__} cannot relocate its "
+                        f"buffers)") from e
+    if where.how is How.IN_PLACE:
+        return None
+    assert isinstance(rank, Relocatable)
+    t = open_transport(config)
+    try:
+        rank.relocate(t.allocate)
+    except BaseException:
+        t.close()
+        raise
     return t
+
+
+def _config(config: SessionConfig | None, transport: str) -> SessionConfig:
+    return (config if config is not None else SessionConfig.from_env()).replace(
+        transport=transport)
 
 
 def _check(status: Status, what: str, error: SessionError | None) -> None:
@@ -89,15 +108,17 @@ class PrefillLink:
     """The prefill half: one agent per prefill rank. Not thread-safe per request."""
 
     def __init__(self, ranks: Sequence[Endpoint], bootstrap_url: str, *,
-                 transport: str = "tcp", timeout: float = 60.0) -> None:
+                 transport: str = "tcp", timeout: float = 60.0,
+                 config: SessionConfig | None = None) -> None:
         self.timeout = timeout
         self._senders: dict[tuple[int, int], Sender] = {}
         self.agents: list[Agent] = []
+        cfg = _config(config, transport)
         try:
             for i, r in enumerate(ranks):
-                self.agents.append(Agent(r.layout, role="prefill", bootstrap_url=bootstrap_url,
-                                         transport=create_transport(transport),
-                                         name=f"prefill-tp{i}"))
+                self.agents.append(open_rank(r.layout, cfg, role=Role.PREFILL,
+                                             bootstrap_url=bootstrap_url,
+                                             name=f"prefill-tp{i}"))
         except BaseException:
             self.close()
             raise
@@ -137,14 +158,16 @@ class DecodeLink:
     """The decode half: one agent per decode rank. Not thread-safe per request."""
 
     def __init__(self, ranks: Sequence[Endpoint], bootstrap_url: str, *,
-                 transport: str = "tcp", timeout: float = 60.0) -> None:
+                 transport: str = "tcp", timeout: float = 60.0,
+                 config: SessionConfig | None = None) -> None:
         self.url, self.timeout = bootstrap_url, timeout
         self.agents: list[Agent] = []
+        cfg = _config(config, transport)
         try:
             for i, r in enumerate(ranks):
-                t = decode_transport(r, transport, f"decode-tp{i}")
-                self.agents.append(Agent(r.layout, role="decode", transport=t,
-                                         name=f"decode-tp{i}"))
+                t = decode_transport(r, cfg, f"decode-tp{i}")
+                self.agents.append(open_rank(r.layout, cfg, role=Role.DECODE, transport=t,
+                                             name=f"decode-tp{i}"))
         except BaseException:
             self.close()
             raise
@@ -181,11 +204,13 @@ class SessionLink:
     ``run_disaggregated(..., transfer=lambda p, d: SessionLink(p, d, url))``."""
 
     def __init__(self, prefill: Sequence[Endpoint], decode: Sequence[Endpoint],
-                 bootstrap_url: str, *, transport: str = "tcp", timeout: float = 60.0) -> None:
-        self.decode = DecodeLink(decode, bootstrap_url, transport=transport, timeout=timeout)
+                 bootstrap_url: str, *, transport: str = "tcp", timeout: float = 60.0,
+                 config: SessionConfig | None = None) -> None:
+        self.decode = DecodeLink(decode, bootstrap_url, transport=transport, timeout=timeout,
+                                 config=config)
         try:
             self.prefill = PrefillLink(prefill, bootstrap_url, transport=transport,
-                                       timeout=timeout)
+                                       timeout=timeout, config=config)
         except BaseException:
             self.decode.close()
             raise

@@ -11,8 +11,10 @@ pools follow), so page ids and slots are rank-independent, as in sglang.
   instance-wide ``full_to_swa`` token mapping, exactly what
   :func:`kvhandoff.indices.swa_window_pages` translates through. Groups that fall out of
   the window are evicted (their SWA page freed, mapping reset to -1).
-* One request slot per request indexes every per-request pool (Mamba state, aux row,
-  request rows, request-scoped compression state).
+* One request slot per request indexes every per-request pool (Mamba state, request
+  rows, request-scoped compression state); its aux row is leased apart, from the
+  library's one aux-row pool (:class:`~kvhandoff.integrations.AuxRows`), as sglang leases
+  a metadata-buffer row apart from the request slot.
 
 A request's first ``borrowed`` pages may belong to the decode prefix cache; releasing
 the request never frees those.
@@ -24,7 +26,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvhandoff.lab.engine.alloc import FreeList, IdArray
+from kvhandoff.integrations import AuxRows
+from kvhandoff.lab.engine.alloc import AllocatorError, FreeList, IdArray
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -34,6 +37,7 @@ class ReqTable:
     """One request's entries in the instance tables."""
 
     slot: int
+    aux_row: int = 0
     pages: IdArray = field(default_factory=lambda: _EMPTY.copy())
     borrowed: int = 0  # leading pages owned by the prefix cache
     swa_groups: IdArray = field(default_factory=lambda: _EMPTY.copy())  # -1: none
@@ -53,6 +57,7 @@ class Tables:
         self.page_size = page_size
         self.pages = FreeList("pages", num_pages, seed=seed)
         self.slots = FreeList("slots", num_slots, seed=seed + 1)
+        self.aux = AuxRows(num_slots)
         self.swa_page_size = swa_page_size
         self.swa = (FreeList("swa pages", num_swa_pages, seed=seed + 2)
                     if swa_page_size else None)
@@ -62,8 +67,12 @@ class Tables:
     def new_request(self, prefix_pages: IdArray | None = None) -> ReqTable:
         """A request with its slot, starting on ``prefix_pages`` (borrowed, not owned)."""
         pages = _EMPTY.copy() if prefix_pages is None else np.asarray(prefix_pages, np.int64)
-        return ReqTable(slot=int(self.slots.alloc(1)[0]), pages=pages.copy(),
-                        borrowed=len(pages))
+        slot = int(self.slots.alloc(1)[0])
+        row = self.aux.take()
+        if row is None:
+            self.slots.free([slot])
+            raise AllocatorError(f"aux rows: all {self.aux.num_rows} are leased")
+        return ReqTable(slot=slot, aux_row=row, pages=pages.copy(), borrowed=len(pages))
 
     def extend(self, req: ReqTable, num_tokens: int) -> None:
         """Own enough pages for positions ``[0, num_tokens)``."""
@@ -80,11 +89,13 @@ class Tables:
             owned = owned[~np.isin(owned, keep)]
         self.pages.free(owned)
         self.slots.free([req.slot])
+        self.aux.give(req.aux_row)
         req.pages, req.borrowed, req.slot = _EMPTY.copy(), 0, 0
 
     def leaks(self) -> dict[str, int]:
         """Ids still allocated, per pool (all zero when every request was released)."""
-        out = {"pages": self.pages.num_used, "slots": self.slots.num_used}
+        out = {"pages": self.pages.num_used, "slots": self.slots.num_used,
+               "aux rows": self.aux.in_use}
         if self.swa is not None:
             out["swa pages"] = self.swa.num_used
         return out

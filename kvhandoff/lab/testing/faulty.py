@@ -6,6 +6,10 @@
 * :class:`CorruptingTcp` — a tcp transport that, after a write completes, flips one byte
   the write put in component ``component`` (peer in the same process only: it writes
   through the destination address). Checksums must catch it.
+* :class:`SourceFlippingTcp` — a tcp transport that flips one byte of a write's
+  *source* (component ``component``) while the write runs and restores it afterwards:
+  the bytes on the wire differ from those the sender digested when it planned, as a
+  faulty wire or NIC would make them. Works across processes; checksums must catch it.
 * :class:`FailingTcp` — a tcp transport whose every write to the peers in ``fail_to``
   (their transport endpoints; change the set at any time) fails at once with a
   :class:`~kvhandoff.transport.errors.TransferFailed` naming that peer, while the peer
@@ -23,11 +27,16 @@ import ctypes
 import threading
 import time
 
-from kvhandoff.plan.model import Plan
+from kvhandoff.plan.model import Plan, TensorPlan
 from kvhandoff.transport.base import Handle, Peer
 from kvhandoff.transport.errors import TransferFailed, TransportError
 from kvhandoff.transport.tcp.client import TcpPeer
 from kvhandoff.transport.tcp.transport import TcpTransport
+
+
+def first_entry(plan: Plan, component: str) -> TensorPlan | None:
+    """The first entry of ``plan`` that moves bytes of ``component``, if any."""
+    return next((e for e in plan.entries if e.component == component and e.nbytes), None)
 
 
 class DelayedTcp(TcpTransport):
@@ -66,8 +75,7 @@ class CorruptingTcp(TcpTransport):
         self.corrupted = 0
 
     def submit(self, peer: Peer, plan: Plan, *, notice: bytes | None = None) -> Handle:
-        target = next((e for e in plan.entries if e.component == self.component and e.nbytes),
-                      None)
+        target = first_entry(plan, self.component)
         if target is None:
             return super().submit(peer, plan, notice=notice)
         h = super().submit(peer, plan)  # the in-band status (if any) follows the corruption
@@ -79,6 +87,27 @@ class CorruptingTcp(TcpTransport):
             self.corrupted += 1
         if notice is not None:
             h = super().submit(peer, Plan(entries=()), notice=notice)
+        return h
+
+
+class SourceFlippingTcp(TcpTransport):
+    def __init__(self, *, component: str = "kv", **options: object) -> None:
+        super().__init__(**options)  # type: ignore[arg-type]
+        self.component = component
+        self.flipped = 0
+
+    def submit(self, peer: Peer, plan: Plan, *, notice: bytes | None = None) -> Handle:
+        target = first_entry(plan, self.component)
+        if target is None:
+            return super().submit(peer, plan, notice=notice)
+        so = int(target.pieces[0, 0])
+        cell = ctypes.c_ubyte.from_address(
+            target.src_ptr + int(target.src_idx[0]) * target.src_unit + so)
+        cell.value ^= 0xFF
+        h = super().submit(peer, plan, notice=notice)
+        h.wait(30.0)
+        cell.value ^= 0xFF
+        self.flipped += 1
         return h
 
 

@@ -22,7 +22,7 @@ A prompt passes when every trial generated the same tokens as the local run (or,
 same up to a near-tie of the local run: see :func:`compare`), and decode's
 ``vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}`` grew in every trial
 (a decode that recomputed the prompt cannot pass). kvhandoff's bytes per group and transfer
-time come from the connector's ``KVHANDOFF_VLLM_DUMP`` lines (whose sha256 must also agree
+time come from the connector's dump-hook lines (whose sha256 must also agree
 between the two sides); NIXL's from decode's ``vllm:nixl_xfer_time_seconds`` and
 ``vllm:nixl_bytes_transferred`` histograms. One table compares the two, including whether
 both connectors generated the same tokens; the exit status is non-zero on any ✗ or
@@ -265,41 +265,48 @@ def _progress(name: str, every: float = 60.0) -> ProgressFn:
     return progress
 
 
-def kv_config(connector: str, role: str, bootstrap: str | None, transport: str = "tcp"
-              ) -> dict[str, Any]:
+def kv_config(connector: str, role: str, bootstrap: str | None, transport: str = "tcp",
+              dump: Path | None = None) -> dict[str, Any]:
     """The ``--kv-transfer-config`` of one side (``role``: kv_producer / kv_consumer);
-    ``transport`` is kvhandoff's."""
+    ``transport`` is kvhandoff's; ``dump``: where the lab's dump hook appends what each
+    handoff moved (:mod:`kvhandoff.lab.testing.vllm_dump`)."""
     if connector == "nixl":
         return {"kv_connector": "NixlConnector", "kv_role": role}
+    extra: dict[str, Any] = {"bootstrap": bootstrap, "transport": transport}
+    if dump is not None:
+        extra |= {"hook": DUMP_HOOK, "hook_config": {"path": str(dump)}}
     return {"kv_connector": "KvhandoffConnector",
             "kv_connector_module_path": "kvhandoff.integrations.vllm", "kv_role": role,
-            "kv_connector_extra_config": {"bootstrap": bootstrap, "transport": transport}}
+            "kv_connector_extra_config": extra}
+
+
+DUMP_HOOK = "kvhandoff.lab.testing.vllm_dump:DumpHook"
 
 
 def _server(connector: str, role: str, core: int, model: Path, opts: Options,
-            bootstrap: str | None, env: dict[str, str]) -> VllmServer:
+            bootstrap: str | None, dump: Path | None) -> VllmServer:
     side = "prefill" if role == "kv_producer" else "decode"
-    env = {**env, "VLLM_CPU_OMP_THREADS_BIND": str(core)}
+    env = {"VLLM_CPU_OMP_THREADS_BIND": str(core)}
     if connector == "nixl":
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_ports(1)[0])
     (port,) = free_ports(1)
     return VllmServer(model, port, log_path=opts.work_dir / f"{connector}-{side}.log",
-                      kv_transfer_config=kv_config(connector, role, bootstrap, opts.transport),
+                      kv_transfer_config=kv_config(connector, role, bootstrap, opts.transport,
+                                                   dump),
                       env=env, dtype=opts.dtype, extra_args=SERVE_ARGS.get(opts.kind, ()))
 
 
 def start_pair(stack: contextlib.ExitStack, connector: str, model: Path, opts: Options
                ) -> Pair:
     """Bootstrap (kvhandoff only), prefill and decode servers and the proxy, all ready."""
-    bootstrap, dump, env = None, None, {}
+    bootstrap, dump = None, None
     if connector == "kvhandoff":
         bootstrap = start_bootstrap(stack, opts.work_dir)
         dump = opts.work_dir / "kvhandoff-dump.jsonl"
-        env = {"KVHANDOFF_VLLM_DUMP": str(dump)}
         print(f"  bootstrap server on {bootstrap}", flush=True)
-    prefill = _server(connector, "kv_producer", 0, model, opts, bootstrap, env)
-    decode = _server(connector, "kv_consumer", 1, model, opts, bootstrap, env)
+    prefill = _server(connector, "kv_producer", 0, model, opts, bootstrap, dump)
+    decode = _server(connector, "kv_consumer", 1, model, opts, bootstrap, dump)
     for srv, side in ((prefill, "prefill"), (decode, "decode")):
         stack.callback(srv.stop)
         srv.start()
@@ -444,7 +451,7 @@ def settle(pair: Pair, before: Snapshot) -> Snapshot:
 
 
 def dump_rows(path: Path, offset: int) -> list[dict[str, Any]]:
-    """The ``KVHANDOFF_VLLM_DUMP`` lines appended after ``offset`` bytes."""
+    """The dump hook's lines appended after ``offset`` bytes."""
     with path.open("rb") as f:
         f.seek(offset)
         data = f.read().decode()

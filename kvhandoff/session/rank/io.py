@@ -44,6 +44,15 @@ from kvhandoff.transport.registry import create_transport
 log = logging.getLogger("kvhandoff.session.rank.agent")  # the agent's voice: one logger per agent
 
 
+def open_transport(config: SessionConfig, **options: object) -> Transport:
+    """A new ``config.transport`` for one rank, keyed by the deployment secret's data key
+    (with no secret, by the endpoint token alone); ``options`` override
+    ``config.transport_options``. The one way a rank's transport is made: the agent's own,
+    and one an engine makes first because it must allocate memory from it."""
+    return create_transport(config.transport, **{
+        "data_secret": data_key(config.secret_file), **config.transport_options, **options})
+
+
 class RankIO:
     """See the module docstring. The ``on_*`` handlers run on the control I/O thread."""
 
@@ -64,9 +73,7 @@ class RankIO:
             key = Secret.load(cfg.secret_file).key(PURPOSE_CONTROL) if cfg.secret_file else None
             if cfg.metrics_port >= 0:
                 serve_process_metrics(cfg.metrics_port, cfg.host)
-            t = transport if transport is not None else create_transport(  # options override
-                cfg.transport, **{"data_secret": data_key(cfg.secret_file),
-                                  **cfg.transport_options})
+            t = transport if transport is not None else open_transport(cfg)
             self._transport = t
             t.register(layout)
             self.transport_endpoint = t.endpoint()  # after registering: it may carry it

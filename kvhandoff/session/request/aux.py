@@ -28,7 +28,9 @@ from __future__ import annotations
 import enum
 import hashlib
 import struct
+import threading
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -197,3 +199,82 @@ class AuxSpec:
         return AuxRecord(first_token=first, first_logprob=lp,
                          top_ids=tuple(int(i) for i in ids),
                          top_logprobs=tuple(float(v) for v in lps), hidden=hidden)
+
+
+Allocate = Callable[[int], U8]
+"""``allocate(nbytes)``: zeroed host memory peers may write into (a transport's
+``allocate`` where it insists on its own memory), as uint8."""
+
+
+class AuxRows:
+    """``num_rows`` aux rows, each leased by one request from start to finish
+    (:meth:`take`, then :meth:`give`): the one aux-row pool. :class:`AuxPool` adds the
+    memory; an engine whose own pools hold the aux tensor (the reference engine) leases
+    its row numbers from this alone.
+
+    Thread-safe (one lock): an engine may lease on its scheduler thread and return rows
+    from a polling thread. A row given back twice, or never leased, raises ``ValueError``
+    rather than corrupting the pool."""
+
+    def __init__(self, num_rows: int) -> None:
+        if num_rows < 1:
+            raise ValueError(f"an aux pool needs at least one row, got {num_rows}")
+        self.num_rows = num_rows
+        self._free = list(range(num_rows - 1, -1, -1))
+        self._leased: set[int] = set()
+        self._lock = threading.Lock()
+
+    def take(self) -> int | None:
+        """Lease a free row, or None when every row is leased."""
+        with self._lock:
+            if not self._free:
+                return None
+            row = self._free.pop()
+            self._leased.add(row)
+        return row
+
+    def give(self, row: int) -> None:
+        """Return a leased row."""
+        with self._lock:
+            if row not in self._leased:
+                raise ValueError(f"aux row {row} is not leased (given back twice, or "
+                                 f"never taken from this pool of {self.num_rows})")
+            self._leased.discard(row)
+            self._free.append(row)
+
+    @property
+    def in_use(self) -> int:
+        with self._lock:
+            return len(self._leased)
+
+
+class AuxPool(AuxRows):
+    """:class:`AuxRows` with their memory: ``num_rows`` rows of ``spec``'s format in a
+    buffer it owns (from ``allocate`` when given, else a plain zeroed array), and the AUX
+    :attr:`component` that describes it for a Layout. A row is handed out with its header
+    cleared."""
+
+    def __init__(self, num_rows: int, spec: AuxSpec | None = None, *,
+                 allocate: Allocate | None = None, name: str = "aux") -> None:
+        super().__init__(num_rows)
+        self.spec = spec if spec is not None else AuxSpec()
+        size = num_rows * self.spec.row_bytes
+        self.buffer: U8 = np.zeros(size, np.uint8) if allocate is None else allocate(size)
+        if len(self.buffer) < size:
+            raise ValueError(f"allocate({size}) returned {len(self.buffer)} bytes")
+        self.component = self.spec.component(ptr=int(self.buffer.ctypes.data),
+                                              num_rows=num_rows, name=name)
+
+    def take(self) -> int | None:
+        """Lease a free row (its header cleared), or None when every row is leased."""
+        row = super().take()
+        if row is not None:
+            clear(self.row(row))
+        return row
+
+    def row(self, row: int) -> U8:
+        """A writable view of row ``row``."""
+        if not 0 <= row < self.num_rows:
+            raise IndexError(f"aux row {row} is outside the pool's {self.num_rows} rows")
+        n = self.spec.row_bytes
+        return self.buffer[row * n:(row + 1) * n]
