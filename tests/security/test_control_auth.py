@@ -256,6 +256,35 @@ def test_a_captured_frame_cannot_be_replayed(arig: Rig,
     assert exact(arig, [first, rp, third]) == []
 
 
+def test_a_frame_signed_under_a_peers_name_does_not_silence_it(
+        arig: Rig, secret_file: str, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    """Finding "lower": a holder of the secret sends the decode one frame naming the
+    prefill, from a "run" of the prefill that starts a minute from now. Before, the
+    decode then took every frame the real prefill sent it for a replay from an earlier
+    run (statuses, aborts, acks: requests failed after their timeouts). Now the real
+    prefill's frames still verify, and the next handoff is exact."""
+    first, rp = arig.plan(1), arig.plan(2, block=1)
+    arig.handoff(first)
+    later = time.time() + 60  # inside the ±120 s window
+    key = Secret.load(secret_file).key(PURPOSE_CONTROL)
+    forger = Signer(key, endpoint=arig.prefill.endpoint, now=later)
+    beat = encode_message(Heartbeat(seq=1, sender=arig.prefill.endpoint))
+    before = arig.decode.stats["received"]
+    with Impostor(arig.decode.endpoint, ctx=ctx, listen=False,
+                  identity="tcp://127.0.0.1:1") as imp:
+        imp.dealer.send(forger.seal(beat, recipient=arig.decode.endpoint.encode(),
+                                    stream=Stream.DEALER, now=later))
+        assert eventually(lambda: arig.decode.stats["received"] > before)  # it verified
+    refused, heard = arig.decode.stats["unauthenticated"], arig.decode.stats["received"]
+    arig.prefill.post(arig.decode.endpoint, Heartbeat(seq=2, sender=arig.prefill.endpoint))
+    assert eventually(lambda: arig.decode.stats["received"] > heard
+                      or arig.decode.stats["unauthenticated"] > refused)
+    assert arig.decode.stats["unauthenticated"] == refused  # the real prefill still heard
+    arig.handoff(rp)
+    assert arig.decode.stats["unauthenticated"] == refused
+    assert exact(arig, [first, rp]) == []
+
+
 @pytest.mark.parametrize("misfit", ["other_secret", "decode_without", "prefill_without"])
 def test_a_peer_without_the_same_secret_fails_its_handshake_saying_why(
         bootstrap: BootstrapServer, instance: str, secret_file: str, tmp_path: Path,
