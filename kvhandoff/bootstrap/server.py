@@ -49,7 +49,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvhandoff.bootstrap.auth import AuthRefused, Verifier
+from kvhandoff.bootstrap.auth import AuthRefused, Verifier, new_server_id
 from kvhandoff.bootstrap.client import (
     INSTANCE_FIELDS,
     PROTOCOL_VERSION,
@@ -337,6 +337,7 @@ class Registry:
 REGISTRY = web.AppKey("registry", Registry)
 METRICS = web.AppKey("metrics", BootstrapMetrics)
 VERIFIER = web.AppKey("verifier", Verifier)  # absent: no secret, mutations unsigned
+SERVER_ID = web.AppKey("server_id", str)  # this run's id: signed requests name it
 _STATUS_CODES = {400: "malformed", 404: "not_found", 405: "method_not_allowed",
                  408: "timeout", 413: "too_large"}
 
@@ -524,7 +525,8 @@ async def _instances(request: web.Request) -> web.Response:
 
 
 async def _health(request: web.Request) -> web.Response:
-    return _json(200, request.app[REGISTRY].health())
+    return _json(200, msgspec.structs.replace(request.app[REGISTRY].health(),
+                                              server_id=request.app[SERVER_ID]))
 
 
 async def _metrics(request: web.Request) -> web.Response:
@@ -532,19 +534,22 @@ async def _metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def make_app(registry: Registry | None = None, *, secret: Secret | None = None
-             ) -> web.Application:
+def make_app(registry: Registry | None = None, *, secret: Secret | None = None,
+             server_id: str | None = None) -> web.Application:
     """The aiohttp application around ``registry`` (a fresh one by default). With
     ``secret``, registering and deregistering need requests signed with its
-    :data:`~kvhandoff.secret.PURPOSE_BOOTSTRAP` key."""
+    :data:`~kvhandoff.secret.PURPOSE_BOOTSTRAP` key, for this run: ``server_id``
+    (:func:`~kvhandoff.bootstrap.auth.new_server_id` by default), which ``/health``
+    tells."""
     registry = registry or Registry()
     app = web.Application(client_max_size=registry.limits.max_body_bytes,
                           middlewares=[_track, _count, _errors])
     app[REGISTRY] = registry
+    app[SERVER_ID] = server_id = server_id or new_server_id()
     app[METRICS] = BootstrapMetrics(registry.health)
     app[DOORS] = _Doors(registry.limits.max_connections)
     if secret is not None:
-        app[VERIFIER] = Verifier(secret.key(PURPOSE_BOOTSTRAP))
+        app[VERIFIER] = Verifier(secret.key(PURPOSE_BOOTSTRAP), server=server_id)
     app.router.add_post("/v1/register", _register)
     app.router.add_delete("/v1/register", _deregister)
     app.router.add_get("/v1/instances", _instances)
@@ -603,6 +608,7 @@ class BootstrapServer:
         self.host = host
         self.secret = secret
         self.registry = Registry(limits)
+        self.server_id = new_server_id()  # this run's: what signed requests must name
         self._requested_port = port
         self._start_timeout = start_timeout
         self._port: int | None = None
@@ -642,7 +648,8 @@ class BootstrapServer:
     def _main(self) -> None:
         async def main() -> None:
             self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-            await _run(make_app(self.registry, secret=self.secret), self.host,
+            await _run(make_app(self.registry, secret=self.secret, server_id=self.server_id),
+                       self.host,
                        self._requested_port, self._stop, self._on_started)
 
         try:
