@@ -25,14 +25,15 @@ import os
 import secrets
 import stat
 
-__all__ = ["MIN_SECRET_BYTES", "PURPOSE_BOOTSTRAP", "PURPOSE_CONTROL", "PURPOSE_DATA", "Secret",
-           "SecretError", "write_secret_file"]
+__all__ = ["MIN_SECRET_BYTES", "PURPOSE_BOOTSTRAP", "PURPOSE_CONTROL", "PURPOSE_DATA",
+           "PURPOSE_REQUEST", "Secret", "SecretError", "write_secret_file"]
 
 MIN_SECRET_BYTES = 32  # e.g. 16 random bytes written as hex, or 32 raw bytes
 MAX_SECRET_BYTES = 4096  # a larger file is not a secret file: refuse, do not read it
 PURPOSE_BOOTSTRAP = "kvhandoff/bootstrap/request-mac/v1"  # signs bootstrap mutations
 PURPOSE_CONTROL = "kvhandoff/control/message-mac/v1"  # signs control messages (control_auth)
 PURPOSE_DATA = "kvhandoff/data-plane/handshake/v1"  # keys the transports' data handshakes
+PURPOSE_REQUEST = "kvhandoff/request-key/v1"  # derives request keys from ids (kvhandoff.binding)
 
 _SALT = b"kvhandoff deployment secret v1"
 _HASH = hashlib.sha256

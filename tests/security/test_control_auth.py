@@ -19,7 +19,14 @@ import zmq
 
 from kvhandoff.bootstrap.server import BootstrapServer
 from kvhandoff.lab.testing.fixtures import bootstrap, instance, no_leaked_threads
-from kvhandoff.lab.testing.hostile import Impostor, eventually, exact, hello_as, memory_problems
+from kvhandoff.lab.testing.hostile import (
+    Impostor,
+    eventually,
+    exact,
+    hello_as,
+    memory_problems,
+    prefill_desk,
+)
 from kvhandoff.lab.testing.rig import Rig, config
 from kvhandoff.protocol import (
     Abort,
@@ -45,7 +52,6 @@ from kvhandoff.session.control.auth import (
     is_signed,
 )
 from kvhandoff.session.errors import HandshakeError
-from kvhandoff.session.rank.prefill_desk import PrefillDesk
 from kvhandoff.transport import create_transport
 
 FIXTURES = (bootstrap, instance, no_leaked_threads)  # imported for pytest
@@ -68,11 +74,6 @@ def arig(secure: BootstrapServer, instance: str, secret_file: str) -> Iterator[R
     r.close()
     assert r.prefill.live_requests == 0 and r.decode.live_requests == 0
 
-
-def _desk(rig: Rig) -> PrefillDesk:
-    desk = rig.prefill._desk
-    assert isinstance(desk, PrefillDesk)
-    return desk
 
 
 def _payload(frame: bytes) -> bytes:
@@ -240,7 +241,7 @@ def test_a_captured_frame_cannot_be_replayed(arig: Rig,
     arig.handoff(rp)
     inits = [f for f in tap.sent if isinstance(decode_message(_payload(f)), TransferInit)]
     assert len(inits) == 1 and is_signed(inits[0])
-    desk = _desk(arig)
+    desk = prefill_desk(arig)
     before = arig.prefill.stats["unauthenticated"]
     with ch._dlock:
         tap.sock.send(inits[0])  # replayed on the decode's own connection
@@ -334,7 +335,7 @@ def test_an_authenticated_stranger_cannot_abort_or_report_on_anothers_request(
         other.post(arig.prefill.endpoint, Abort(request_id=later.rid, rank=rank,
                                                 reason="poisoned in advance"))
         assert eventually(lambda: arig.prefill.stats["not_request_peer"] == 2)
-        assert later.rid not in _desk(arig).backlog.early  # no tombstone for a future id
+        assert later.rid not in prefill_desk(arig).backlog.early  # no tombstone for a future id
         rogue.post(arig.decode.endpoint, TransferStatus(
             request_id=rp.rid, rank=rogue.rank_id, chunk=0, last=True,
             outcome=Outcome.FAILED, reason="forged by a secret holder"))
@@ -351,12 +352,15 @@ def test_an_authenticated_stranger_cannot_abort_or_report_on_anothers_request(
 
 
 @pytest.mark.parametrize("sender_first", [True, False])
-def test_a_second_set_of_indices_fails_the_request_on_both_sides(
+def test_without_a_key_a_second_set_of_indices_fails_the_request_on_both_sides(
         arig: Rig, secret_file: str, sender_first: bool) -> None:
-    """Finding H2 ("steal") by a secret holder: a rogue decode of the same layout sends
-    its indices for the request first, then the real decode does. Before: the rogue got
-    an exact copy of the KV and the real decode starved. Now the request fails on the
-    prefill and both decodes, naming the reason, and no byte is written to either."""
+    """Finding H2 ("steal") by a secret holder, for a request without a key
+    (kvhandoff.binding, test_binding.py, is the fix): a rogue decode of the same layout
+    sends its indices for the request first, then the real decode does. Before: the
+    rogue got an exact copy of the KV and the real decode starved. Without a key the
+    prefill cannot tell them apart: once the Sender has both (at once, or when it
+    starts), the request fails on the prefill and both decodes, naming the reason, and
+    no byte is written to either."""
     first, rp = arig.plan(1), arig.plan(2, block=1)
     arig.handoff(first)
     rogue = arig.add_decode(decode_cfg={"secret_file": secret_file})
@@ -365,13 +369,14 @@ def test_a_second_set_of_indices_fails_the_request_on_both_sides(
     if s is not None:
         assert eventually(lambda: s.status is Status.WAITING_FOR_INPUT)
     else:
-        assert eventually(lambda: rp.rid in _desk(arig).backlog.inits)
+        assert eventually(lambda: rp.rid in prefill_desk(arig).backlog.inits)
     good = arig.receiver(rp)
+    if s is None:
+        assert eventually(lambda: len(prefill_desk(arig).backlog.inits.get(rp.rid, ())) == 2)
+        s = arig.sender(rp)[0]  # judges both sets when it starts
     for r in (bad, good):
         assert r.wait(10) is Status.FAILED
         assert "two endpoints" in str(r.reason), r.reason
-    if s is None:
-        s = arig.sender(rp)[0]  # fails on arrival
     assert s.wait(10) is Status.FAILED and "two endpoints" in str(s.reason), s.reason
     assert bad.wait_released(10) and good.wait_released(10)  # AbortAcks: nothing in flight
     assert memory_problems(arig, rogue, [], failed=[rp]) == []
@@ -388,7 +393,7 @@ def test_an_abort_reason_from_the_requests_peer_is_bounded(arig: Rig) -> None:
 
     rp = arig.plan(2, block=1)
     r = arig.receiver(rp)
-    desk = _desk(arig)
+    desk = prefill_desk(arig)
     assert eventually(lambda: rp.rid in desk.backlog.inits)
     r.abort("z" * (2 << 20))
     assert eventually(lambda: rp.rid in desk.backlog.early)
