@@ -68,7 +68,13 @@ from kvhandoff.bootstrap.client import (
     Slot,
 )
 from kvhandoff.bootstrap.metrics import BootstrapMetrics
-from kvhandoff.secret import PURPOSE_BOOTSTRAP, Secret, SecretError
+from kvhandoff.secret import (
+    INSECURE_WARNING,
+    PURPOSE_BOOTSTRAP,
+    Secret,
+    SecretError,
+    deployment_secret,
+)
 from kvhandoff.session.config import SessionConfig
 from kvhandoff.signals import stop_on_signals
 
@@ -597,16 +603,20 @@ class BootstrapServer:
     :class:`BootstrapError` if it cannot bind. ``close()`` is idempotent and returns once
     the listening socket, every connection and the thread are gone. With ``secret``,
     registrations must be signed (see the HTTP shell's notes); it binds any address it
-    is given (:func:`check_bind` is the command line's policy). ``start``/``close``
-    are meant for one owning thread; ``url``, ``port`` and ``registry`` may be read from
-    any thread.
+    is given (:func:`check_bind` is the command line's policy). Without ``secret`` it
+    uses the user's default deployment secret (:func:`~kvhandoff.secret.deployment_secret`),
+    as agents do without configuration; only ``insecure`` serves unsigned registrations.
+    ``start``/``close`` are meant for one owning thread; ``url``, ``port`` and
+    ``registry`` may be read from any thread.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *,
                  limits: Limits | None = None, secret: Secret | None = None,
-                 start_timeout: float = 10.0) -> None:
+                 insecure: bool = False, start_timeout: float = 10.0) -> None:
         self.host = host
-        self.secret = secret
+        if secret is not None and insecure:
+            raise ValueError("BootstrapServer: a secret and insecure exclude each other")
+        self.secret = secret if secret is not None or insecure else deployment_secret()
         self.registry = Registry(limits)
         self.server_id = new_server_id()  # this run's: what signed requests must name
         self._requested_port = port
@@ -730,13 +740,18 @@ def serve(host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, limits: Limits |
 
 def main(host: str, port: int, *, secret_file: str | None, insecure: bool) -> int:
     """``kvhandoff bootstrap``: load the secret (``secret_file``, else
-    ``KVHANDOFF_SECRET_FILE``), then :func:`serve`. Returns 2, saying why on stderr,
-    when the secret or the bind address is refused."""
+    ``KVHANDOFF_SECRET_FILE``, else the user's default one; none with ``insecure``, said
+    loudly on stderr), then :func:`serve`. Returns 2, saying why on stderr, when the
+    secret or the bind address is refused."""
     try:
-        path = secret_file if secret_file is not None else SessionConfig.from_env().secret_file
-        secret = Secret.load(path) if path else None
+        env = SessionConfig.from_env()
+        path = secret_file if secret_file is not None else env.secret_file
+        insecure = insecure or env.insecure
+        secret = deployment_secret(path, insecure=insecure)
         check_bind(host, secret=secret, insecure=insecure)
     except (SecretError, BootstrapError, ValueError) as e:
         print(f"kvhandoff bootstrap: {e}", file=sys.stderr)
         return 2
+    if secret is None:
+        print(f"kvhandoff bootstrap: {INSECURE_WARNING}", file=sys.stderr, flush=True)
     return serve(host, port, secret=secret, insecure=insecure)

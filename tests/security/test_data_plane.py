@@ -25,6 +25,7 @@ from kvhandoff.transport.framing.handshake import (
     SERVER_FRAME,
     ClientHandshake,
     HandshakeFailed,
+    derive_key,
 )
 from kvhandoff.transport.framing.served import prove
 from kvhandoff.transport.framing.wire import HEADER, MAX_DESC, Kind, Records, Status
@@ -135,7 +136,9 @@ def test_a_record_count_that_wraps_int64_is_malformed(rig: Rig) -> None:
     ptr = int(rig.darena.bufs[0].ctypes.data)  # 1 × 4096 B × 2**52 rows = 2**64 B
     table = struct.pack("<q7qq", 1, ptr, 0, 0, 4096, 1 << 52, 0, 1, 0)
     with _dial(ep.host, ep.port) as s:
-        prove(s, key=ep.token.encode(), endpoint_id=ep.id, timeout=10, peer="decode")
+        # a peer that passed the handshake: the deployment's data key and the token
+        key = derive_key(ep.token.encode(), rig.prefill_cfg.data_key())
+        prove(s, key=key, endpoint_id=ep.id, timeout=10, peer="decode")
         s.settimeout(10)
         s.sendall(frame(Kind.WRITE, table, payload_len=0))
         reply = read_reply(s)  # before the fix: nbytes wrapped to 0, then a traceback

@@ -47,7 +47,6 @@ import torch
 from kvhandoff.integrations.vllm.layout import TensorInfo
 from kvhandoff.layout import MemoryKind
 from kvhandoff.plan.runs import runs as coalesce
-from kvhandoff.secret import data_key
 from kvhandoff.session.config import SessionConfig
 from kvhandoff.transport.base import Transport
 from kvhandoff.transport.registry import (
@@ -292,7 +291,7 @@ def kv_memory(tensors: Mapping[str, torch.Tensor], groups: Sequence[Sequence[str
             config = config.replace(transport_options={**config.transport_options, "cuda": True})
         return KvMemory(config, tensors)
     transport = create_transport(  # keyed as the agent keys its own (session.agent)
-        name, **{"data_secret": data_key(config.secret_file), **config.transport_options}
+        name, **{"data_secret": config.data_key(), **config.transport_options}
     ) if own else None
     try:
         staging = HostStaging(tensors, groups,

@@ -38,6 +38,7 @@ from typing import Self
 from kvhandoff.lab.engine.transfer import Chunk, Endpoint, ItemList, Relocatable, TransferReport
 from kvhandoff.layout import Layout
 from kvhandoff.protocol import IndexListMsg
+from kvhandoff.session.config import SessionConfig
 from kvhandoff.session.errors import SessionError
 from kvhandoff.session.rank.agent import Agent
 from kvhandoff.session.request.receiver import Receiver
@@ -62,10 +63,16 @@ def landed_bytes(layout: Layout, lists: Mapping[str, ItemList]) -> dict[str, int
     return out
 
 
+def keyed_transport(name: str) -> Transport:
+    """A new ``name`` transport keyed as an agent with the environment's settings keys its
+    own (the deployment secret's data-plane key; none when insecure)."""
+    return create_transport(name, data_secret=SessionConfig.from_env().data_key())
+
+
 def decode_transport(rank: Endpoint, name: str, label: str) -> Transport:
-    """A new ``name`` transport for one decode rank; when its destinations must come from
-    its own ``allocate``, the rank's pools move there first."""
-    t = create_transport(name)
+    """A new ``name`` transport for one decode rank (:func:`keyed_transport`); when its
+    destinations must come from its own ``allocate``, the rank's pools move there first."""
+    t = keyed_transport(name)
     if t.capabilities.needs_allocate:
         if not isinstance(rank, Relocatable):
             t.close()
@@ -96,7 +103,7 @@ class PrefillLink:
         try:
             for i, r in enumerate(ranks):
                 self.agents.append(Agent(r.layout, role="prefill", bootstrap_url=bootstrap_url,
-                                         transport=create_transport(transport),
+                                         transport=keyed_transport(transport),
                                          name=f"prefill-tp{i}"))
         except BaseException:
             self.close()

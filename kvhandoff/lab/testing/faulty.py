@@ -14,7 +14,9 @@
   ``connect_delay`` holds every later ``connect`` (a re-dial) that long; ``dialing`` is
   set when one starts, so a test can act while a re-dial is in flight.
 
-All keep ``name = "tcp"``, so they pair with a plain tcp peer at handshake.
+All keep ``name = "tcp"``, so they pair with a plain tcp peer at handshake, and are keyed
+as an agent of the default deployment keys its own (the user's default secret; pass
+``data_secret`` otherwise).
 """
 
 from __future__ import annotations
@@ -24,15 +26,21 @@ import threading
 import time
 
 from kvhandoff.plan.model import Plan
+from kvhandoff.session.config import SessionConfig
 from kvhandoff.transport.base import Handle, Peer
 from kvhandoff.transport.errors import TransferFailed, TransportError
 from kvhandoff.transport.tcp.client import TcpPeer
 from kvhandoff.transport.tcp.transport import TcpTransport
 
 
+def _keyed(options: dict[str, object]) -> dict[str, object]:
+    """``options``, with the default deployment's data key unless one is given."""
+    return {"data_secret": SessionConfig().data_key(), **options}
+
+
 class DelayedTcp(TcpTransport):
     def __init__(self, *, delay: float = 0.3, **options: object) -> None:
-        super().__init__(**options)  # type: ignore[arg-type]
+        super().__init__(**_keyed(options))  # type: ignore[arg-type]
         self.delay = delay
 
     def submit(self, peer: Peer, plan: Plan, *, notice: bytes | None = None) -> Handle:
@@ -61,7 +69,7 @@ class DelayedTcp(TcpTransport):
 
 class CorruptingTcp(TcpTransport):
     def __init__(self, *, component: str, **options: object) -> None:
-        super().__init__(**options)  # type: ignore[arg-type]
+        super().__init__(**_keyed(options))  # type: ignore[arg-type]
         self.component = component
         self.corrupted = 0
 
@@ -85,7 +93,7 @@ class CorruptingTcp(TcpTransport):
 class FailingTcp(TcpTransport):
     def __init__(self, *, fail_to: set[bytes] | None = None, close_peer: bool = False,
                  **options: object) -> None:
-        super().__init__(**options)  # type: ignore[arg-type]
+        super().__init__(**_keyed(options))  # type: ignore[arg-type]
         self.fail_to: set[bytes] = set(fail_to or ())
         self.close_peer = close_peer
         self.failed = 0  # writes failed on purpose

@@ -36,7 +36,6 @@ from kvhandoff.lab.testing.handoff import (
     request_of,
 )
 from kvhandoff.layout import Layout
-from kvhandoff.secret import data_key
 from kvhandoff.session import Agent, Receiver, Sender, SessionConfig, Status
 from kvhandoff.transport import Transport, create_transport
 
@@ -158,7 +157,7 @@ class Rig:
 
     def _tcp(self) -> Transport:
         """The prefill agent's transport, keyed with the deployment secret if it has one."""
-        return create_transport("tcp", data_secret=data_key(self.prefill_cfg.secret_file))
+        return create_transport("tcp", data_secret=self.prefill_cfg.data_key())
 
     def close(self) -> None:
         for d in self.decodes[1:]:
