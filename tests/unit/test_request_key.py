@@ -61,3 +61,23 @@ def test_derived_keys_agree_where_the_secret_is_shared_and_nowhere_else() -> Non
     assert RequestKey.derive(b"r" * 16, room) == RequestKey.derive(b"r" * 16, room)
     with pytest.raises(ValueError, match="16 bytes"):
         RequestKey.derive(b"short", room)
+
+
+def test_the_reference_engine_keys_requests_as_its_router_says(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both halves of a link derive the same key per request id from the router secret
+    they share (or the deployment secret); an insecure deployment without a router
+    secret leaves requests unbound."""
+    from kvhandoff.lab.engine.session_link import request_keys
+    from kvhandoff.secret import deployment_secret
+
+    routed = request_keys(b"r" * 32)
+    assert routed(3) == request_keys(b"r" * 32)(3) != routed(4)
+    assert routed(3) != request_keys(b"q" * 32)(3)
+    monkeypatch.setenv("KVHANDOFF_INSECURE", "0")
+    monkeypatch.delenv("KVHANDOFF_SECRET_FILE", raising=False)
+    secret = deployment_secret()
+    assert secret is not None
+    assert request_keys(None)(3) == RequestKey.for_room(3, secret)
+    monkeypatch.setenv("KVHANDOFF_INSECURE", "1")
+    assert request_keys(None)(3) is None

@@ -82,6 +82,7 @@ class SendReq:
     request_id: str
     blocks: tuple[tuple[int, ...], ...]  # per transferable group, from token 0
     num_tokens: int
+    key: str = ""  # the request's key (kvhandoff.binding), hex; "": none
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +96,7 @@ class RecvReq:
     blocks: tuple[tuple[int, ...], ...]  # per transferable group, the moving blocks
     prefix_tokens: int  # tokens decode already holds (a local prefix hit)
     num_tokens: int
+    key: str = ""  # the request's key (kvhandoff.binding), hex, as prefill made it
 
 
 @dataclass(slots=True)
