@@ -20,7 +20,6 @@ is missing, in CI they fail.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -34,7 +33,8 @@ from typing import Any
 import pytest
 
 from kvhandoff.binding import RequestKey
-from kvhandoff.lab.vllm.serve import VllmServer, free_ports, get_text, post_json, vllm_python
+from kvhandoff.lab.testing.fixtures import vllm_or_skip
+from kvhandoff.lab.vllm.serve import VllmServer, free_ports, get_text, post_json
 
 pytestmark = pytest.mark.vllm
 
@@ -52,14 +52,6 @@ class Trio:
     metrics: str  # prefill's kvhandoff metrics (KVHANDOFF_METRICS_PORT)
 
 
-def _vllm_or_skip() -> Path:
-    py = vllm_python()
-    if not py.exists():
-        if os.environ.get("CI"):
-            pytest.fail(f"{py} is missing: `make test` builds it with `make vllm-venv`")
-        pytest.skip(f"{py} is missing; run `make vllm-venv` (make test does)")
-    return py
-
 
 def _kv(role: str, bootstrap: str) -> dict[str, object]:
     return {"kv_connector": "KvhandoffConnector",
@@ -70,7 +62,7 @@ def _kv(role: str, bootstrap: str) -> dict[str, object]:
 @pytest.fixture(scope="module", params=["default", "insecure"])
 def trio(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
          ) -> Iterator[Trio]:
-    py = _vllm_or_skip()
+    py = vllm_or_skip()
     insecure = request.param == "insecure"
     root = tmp_path_factory.mktemp(f"vllm-binding-{request.param}")
     model = root / "model"

@@ -11,14 +11,17 @@ the secret (what a holder of the secret can do anyway)."""
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvhandoff.bootstrap.server import BootstrapServer
 from kvhandoff.lab.testing.rig import Rig, kvh_threads
+from kvhandoff.lab.vllm.serve import vllm_python
 
 _names = itertools.count()
 OPEN: dict[str, Any] = {"insecure": True}
@@ -69,3 +72,14 @@ def rig(bootstrap: BootstrapServer, instance: str) -> Iterator[Rig]:
 @pytest.fixture
 def open_rig(open_bootstrap: BootstrapServer, instance: str) -> Iterator[Rig]:
     yield from _rigged(Rig(open_bootstrap.url, instance, prefill_cfg=OPEN, decode_cfg=OPEN))
+
+
+def vllm_or_skip() -> Path:
+    """The python of ``.venv-vllm`` (for tests of real vLLM servers): skip the test when
+    it is missing, saying how to make it; in CI (``CI`` set) fail instead."""
+    py = vllm_python()
+    if not py.exists():
+        if os.environ.get("CI"):
+            pytest.fail(f"{py} is missing: `make test` builds it with `make vllm-venv`")
+        pytest.skip(f"{py} is missing; run `make vllm-venv` (make test does)")
+    return py
