@@ -59,11 +59,12 @@ from kvhandoff.layout import (
 from kvhandoff.plan.request import IndexArray, Indices
 from kvhandoff.state_types import StateType
 
-PROTOCOL_VERSION: Final = 5
+PROTOCOL_VERSION: Final = 6
 """Bumped on any change to a message's fields or meaning; compared at handshake.
 2: ``ErrorReply.code``. 4: ``StatusNotice.more`` (a notice may carry several statuses;
 a version-3 decode rank would drop such notices and time out). 5: ``TransferInits`` (a
-version-4 prefill rank would refuse it)."""
+version-4 prefill rank would refuse it). 6: ``TransferInit.proof`` (a request bound to
+its decode, :mod:`kvhandoff.binding`)."""
 
 MAX_BATCHED_INITS: Final = 256
 """Most ``TransferInit`` one :class:`TransferInits` carries: one message never holds the
@@ -423,13 +424,17 @@ class TransferInit(_Msg, frozen=True):
     ``indices`` names every component of the decode layout (KV pages under the KV
     component, the aux row under the aux component): its destination list, or ``None``
     when that component does not move for this request. Prefill slices the KV list
-    per chunk. ``decode_prefix_len``: tokens decode already holds (a prefix-cache hit)."""
+    per chunk. ``decode_prefix_len``: tokens decode already holds (a prefix-cache hit).
+    ``proof``: that the request was routed to this decode rank, when the request has a
+    key (:meth:`kvhandoff.binding.RequestKey.prove`); a prefill Sender with a key takes
+    no indices without it."""
 
     request_id: RequestId
     rank: RankId  # the decode rank
     indices: dict[str, IndexListMsg | None]
     decode_prefix_len: NonNeg = 0
     expect_checksum: bool = False
+    proof: Annotated[bytes, msgspec.Meta(max_length=64)] | None = None
 
 
 class TransferInits(_Msg, frozen=True):

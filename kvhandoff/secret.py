@@ -15,24 +15,41 @@ newline ``openssl rand -hex 32 >file`` writes, is not counted and not used). A
 
 Make one with ``(umask 077; openssl rand -hex 32 > /etc/kvhandoff/secret)`` or
 :func:`write_secret_file`.
+
+**Safe without configuration.** A deployment that names no file uses the user's own
+default secret (:func:`default_secret_file`): ``$XDG_RUNTIME_DIR/kvhandoff/secret``, or
+``/tmp/kvhandoff-<uid>/secret`` where there is no runtime directory, in a directory of
+mode 0700 that the user owns, the file created (mode 0600, 32 random bytes) by whichever
+process of the user needs it first and found by every other. Processes of other users
+cannot read it, so they cannot register, deregister, speak on the control plane or pass
+the data plane's handshake. A deployment across hosts needs one file on every host
+(copy it, or name a shared one). :func:`deployment_secret` applies the rule; only an
+explicit ``insecure`` runs without a secret, and says so loudly.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import secrets
 import stat
+import threading
+from collections.abc import Mapping
 
-__all__ = ["MIN_SECRET_BYTES", "PURPOSE_BOOTSTRAP", "PURPOSE_CONTROL", "PURPOSE_DATA", "Secret",
-           "SecretError", "write_secret_file"]
+__all__ = ["MIN_SECRET_BYTES", "PURPOSE_BOOTSTRAP", "PURPOSE_CONTROL", "PURPOSE_DATA",
+           "PURPOSE_REQUEST", "Secret", "SecretError", "default_secret_file",
+           "deployment_secret", "write_secret_file"]
+
+log = logging.getLogger("kvhandoff.secret")
 
 MIN_SECRET_BYTES = 32  # e.g. 16 random bytes written as hex, or 32 raw bytes
 MAX_SECRET_BYTES = 4096  # a larger file is not a secret file: refuse, do not read it
 PURPOSE_BOOTSTRAP = "kvhandoff/bootstrap/request-mac/v1"  # signs bootstrap mutations
 PURPOSE_CONTROL = "kvhandoff/control/message-mac/v1"  # signs control messages (control_auth)
 PURPOSE_DATA = "kvhandoff/data-plane/handshake/v1"  # keys the transports' data handshakes
+PURPOSE_REQUEST = "kvhandoff/request-key/v1"  # derives request keys from ids (kvhandoff.binding)
 
 _SALT = b"kvhandoff deployment secret v1"
 _HASH = hashlib.sha256
@@ -126,6 +143,89 @@ def write_secret_file(path: str | os.PathLike[str]) -> str:
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_hex(32) + "\n")
     return name
+
+
+DEFAULT_NAME = "secret"
+"""The default secret's file name, in :func:`default_secret_dir`."""
+
+
+def default_secret_dir(env: Mapping[str, str] | None = None) -> str:
+    """Where the user's default secret lives: ``$XDG_RUNTIME_DIR/kvhandoff`` (the user's
+    runtime directory, when set to an absolute path), else ``/tmp/kvhandoff-<uid>``."""
+    env = os.environ if env is None else env
+    runtime = env.get("XDG_RUNTIME_DIR", "")
+    if os.path.isabs(runtime):
+        return os.path.join(runtime, "kvhandoff")
+    return f"/tmp/kvhandoff-{os.geteuid()}"
+
+
+def default_secret_file(env: Mapping[str, str] | None = None) -> str:
+    """The path of the user's default deployment secret, made on first use (see the
+    module docstring): the directory with mode 0700 and the file with 0600, written
+    whole under another name and linked into place, so that processes starting together
+    all read the same complete file. Raises :class:`SecretError` naming the directory
+    when it is not one of ours (another user's, a symbolic link, open to others)."""
+    folder = default_secret_dir(env)
+    try:
+        os.mkdir(folder, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise SecretError(f"default secret directory {folder}: cannot create: "
+                          f"{e.strerror}") from e
+    _check_private(folder)
+    path = os.path.join(folder, DEFAULT_NAME)
+    if not os.path.lexists(path):
+        tmp = write_secret_file(os.path.join(folder, f".{DEFAULT_NAME}.{secrets.token_hex(8)}"))
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass  # another process of ours made it first: theirs stands
+        finally:
+            os.unlink(tmp)
+    return path
+
+
+def _check_private(folder: str) -> None:
+    """Refuse a directory that others could have planted, or can read or replace."""
+    st = os.lstat(folder)
+    why = ""
+    if not stat.S_ISDIR(st.st_mode):
+        why = "is not a directory (a symbolic link?)"
+    elif st.st_uid != os.geteuid():
+        why = f"belongs to uid {st.st_uid}, not to this user ({os.geteuid()})"
+    elif stat.S_IMODE(st.st_mode) & 0o077:
+        why = (f"has mode {stat.S_IMODE(st.st_mode):04o}: the group or others may "
+               f"access it; run `chmod 700 {folder}`")
+    if why:
+        raise SecretError(f"default secret directory {folder} {why}; remove it, or name "
+                          f"a secret file (KVHANDOFF_SECRET_FILE)")
+
+
+_warned = threading.Event()
+INSECURE_WARNING = (
+    "KVHANDOFF INSECURE: running without a deployment secret (--insecure / "
+    "KVHANDOFF_INSECURE): any process that reaches this deployment's ports, of any user "
+    "on this host or any host that can route to it, can register and deregister ranks, "
+    "abort requests, forge statuses and pass the data-plane handshake")
+
+
+def deployment_secret(secret_file: str = "", *, insecure: bool = False) -> Secret | None:
+    """The secret a deployment configured with ``secret_file`` / ``insecure`` uses: that
+    file; else, with ``insecure``, none (a loud warning, once per process); else the
+    user's default secret (:func:`default_secret_file`). Raises :class:`SecretError`
+    when the file cannot be used, or both are given."""
+    if secret_file and insecure:
+        raise SecretError(f"both a secret file ({secret_file}) and insecure were given: "
+                          "choose one")
+    if secret_file:
+        return Secret.load(secret_file)
+    if insecure:
+        if not _warned.is_set():
+            _warned.set()
+            log.warning(INSECURE_WARNING)
+        return None
+    return Secret.load(default_secret_file())
 
 
 def data_key(secret_file: str | os.PathLike[str]) -> bytes | None:

@@ -5,20 +5,29 @@ no aiohttp). The key is the deployment secret's
 :data:`~kvhandoff.secret.PURPOSE_BOOTSTRAP` key, shared by the server and every
 prefill rank.
 
-A signed request carries three headers::
+A signed request carries four headers::
 
     X-Kvhandoff-Timestamp: 1764088000          unix seconds of the signer's clock
     X-Kvhandoff-Nonce:     32 hex digits        fresh random per request (and per retry)
-    X-Kvhandoff-Signature: v1=<64 hex digits>   HMAC-SHA256(key, canonical request)
+    X-Kvhandoff-Server:    32 hex digits        the server run it is meant for
+    X-Kvhandoff-Signature: v2=<64 hex digits>   HMAC-SHA256(key, canonical request)
 
-where the canonical request is ``v1``, the method, the path (with its query string),
-the timestamp, the nonce and the SHA-256 of the body, one per line. The server
-(:class:`Verifier`) accepts a request only if the MAC matches, the timestamp is within
-``window`` seconds of its own clock (either side, for skew), and that signature was not
-accepted before: it remembers each accepted signature until its timestamp leaves the
-window, after which the timestamp check refuses a replay anyway. The memory is bounded
-(``max_remembered``); only signatures that verified are remembered, so only key holders
-can fill it, and a full memory refuses (503) rather than forgets.
+where the canonical request is ``v2``, the method, the path (with its query string),
+the timestamp, the nonce, the server run and the SHA-256 of the body, one per line. The
+server (:class:`Verifier`) accepts a request only if it names this server's run (a
+random id drawn when the server starts, which ``GET /health`` tells), the MAC matches,
+the timestamp is within ``window`` seconds of its own clock (either side, for skew), and
+that signature was not accepted before: it remembers each accepted signature until its
+timestamp leaves the window, after which the timestamp check refuses a replay anyway.
+The memory is bounded (``max_remembered``); only signatures that verified are
+remembered, so only key holders can fill it, and a full memory refuses (503) rather than
+forgets.
+
+Why the server run: the memory of used signatures is one server's, and lasts one run. A
+request signed for one server would otherwise be accepted once more by a second server
+holding the same secret, or by the same server restarted, within the window (finding
+"lower"): a deregistration replayed at a fresh server, say. Naming the run costs a
+signer one ``GET /health`` per request.
 """
 
 from __future__ import annotations
@@ -31,30 +40,39 @@ import secrets
 import threading
 from collections.abc import Mapping
 
-__all__ = ["NONCE", "SIGNATURE", "TIMESTAMP", "AuthRefused", "Verifier", "sign"]
+__all__ = ["NONCE", "SERVER", "SIGNATURE", "TIMESTAMP", "AuthRefused", "Verifier",
+           "new_server_id", "sign"]
 
 TIMESTAMP = "X-Kvhandoff-Timestamp"
 NONCE = "X-Kvhandoff-Nonce"
+SERVER = "X-Kvhandoff-Server"
 SIGNATURE = "X-Kvhandoff-Signature"
-_VERSION = "v1"
-_NONCE_RE = re.compile(r"^[0-9a-f]{32}$")
-_SIG_RE = re.compile(r"^v1=([0-9a-f]{64})$")
+_VERSION = "v2"
+_NONCE_RE = re.compile(r"^[0-9a-f]{32}$")  # the nonce, and a server run's id
+_SIG_RE = re.compile(r"^v2=([0-9a-f]{64})$")
 _TS_RE = re.compile(r"^[0-9]{1,12}$")
 
 
-def _mac(key: bytes, method: str, path: str, timestamp: str, nonce: str, body: bytes) -> str:
-    canonical = "\n".join((_VERSION, method.upper(), path, timestamp, nonce,
+def _mac(key: bytes, method: str, path: str, timestamp: str, nonce: str, server: str,
+         body: bytes) -> str:
+    canonical = "\n".join((_VERSION, method.upper(), path, timestamp, nonce, server,
                            hashlib.sha256(body).hexdigest()))
     return hmac.new(key, canonical.encode(), hashlib.sha256).hexdigest()
 
 
-def sign(key: bytes, method: str, path: str, body: bytes, *, now: float,
+def new_server_id() -> str:
+    """A server run's id: drawn once when a server starts, told by ``GET /health``."""
+    return secrets.token_hex(16)
+
+
+def sign(key: bytes, method: str, path: str, body: bytes, *, now: float, server: str,
          nonce: str | None = None) -> dict[str, str]:
-    """The three headers that authenticate ``method path`` with ``body`` at time ``now``
-    (``nonce``: tests only; a fresh random one by default)."""
+    """The headers that authenticate ``method path`` with ``body`` at time ``now`` for
+    the server run ``server`` (its ``/health`` ``server_id``); ``nonce``: tests only (a
+    fresh random one by default)."""
     ts, nonce = str(int(now)), nonce or secrets.token_hex(16)
-    return {TIMESTAMP: ts, NONCE: nonce,
-            SIGNATURE: f"{_VERSION}={_mac(key, method, path, ts, nonce, body)}"}
+    return {TIMESTAMP: ts, NONCE: nonce, SERVER: server,
+            SIGNATURE: f"{_VERSION}={_mac(key, method, path, ts, nonce, server, body)}"}
 
 
 class AuthRefused(Exception):
@@ -68,11 +86,15 @@ class AuthRefused(Exception):
 
 
 class Verifier:
-    """Checks signed requests against one key. Thread-safe; the clock is passed in."""
+    """Checks signed requests against one key, for the server run ``server`` (its id,
+    :func:`new_server_id`). Thread-safe; the clock is passed in."""
 
-    def __init__(self, key: bytes, *, window: float = 60.0, max_remembered: int = 65536
-                 ) -> None:
+    def __init__(self, key: bytes, *, server: str, window: float = 60.0,
+                 max_remembered: int = 65536) -> None:
+        if not _NONCE_RE.match(server):
+            raise ValueError(f"a server run's id is 32 hex digits, got {server!r}")
         self._key = key
+        self.server = server
         self.window = window
         self.max_remembered = max_remembered
         self._lock = threading.Lock()
@@ -83,20 +105,26 @@ class Verifier:
               now: float) -> None:
         """Return if the request is authentic and new (and remember it); raise
         :class:`AuthRefused` naming why not. Nothing is remembered for a refusal."""
-        ts, nonce, sig = (headers.get(h) for h in (TIMESTAMP, NONCE, SIGNATURE))
-        missing = [h for h, v in ((TIMESTAMP, ts), (NONCE, nonce), (SIGNATURE, sig))
-                   if v is None]
+        ts, nonce, server, sig = (headers.get(h) for h in (TIMESTAMP, NONCE, SERVER,
+                                                            SIGNATURE))
+        missing = [h for h, v in ((TIMESTAMP, ts), (NONCE, nonce), (SERVER, server),
+                                  (SIGNATURE, sig)) if v is None]
         if missing:
             raise AuthRefused(f"{method} {path}: not signed (missing {', '.join(missing)}); "
                               "this bootstrap server requires requests signed with the "
                               "deployment secret (KVHANDOFF_SECRET_FILE)")
-        assert ts is not None and nonce is not None and sig is not None
+        assert ts is not None and nonce is not None and server is not None and sig is not None
         m = _SIG_RE.match(sig)
         if not (_TS_RE.match(ts) and _NONCE_RE.match(nonce) and m):
             raise AuthRefused(f"{method} {path}: malformed signature headers "
                               f"(want {TIMESTAMP}: unix seconds, {NONCE}: 32 hex digits, "
-                              f"{SIGNATURE}: v1=64 hex digits)")
-        want = _mac(self._key, method, path, ts, nonce, body)
+                              f"{SERVER}: 32 hex digits, {SIGNATURE}: v2=64 hex digits)")
+        if not hmac.compare_digest(server, self.server):
+            raise AuthRefused(f"{method} {path}: signed for bootstrap server run "
+                              f"{server[:32]!r}, not this one ({self.server}): a request "
+                              "meant for another server, or for this one before it "
+                              "restarted (a replay?); sign again after GET /health")
+        want = _mac(self._key, method, path, ts, nonce, server, body)
         if not hmac.compare_digest(want, m.group(1)):
             raise AuthRefused(f"{method} {path}: bad signature (a different deployment "
                               "secret, or the request was altered)")

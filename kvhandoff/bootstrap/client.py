@@ -220,6 +220,7 @@ class Health(msgspec.Struct, frozen=True, kw_only=True):
     instances: int
     ready_instances: int
     ranks: int
+    server_id: str = ""  # this server run's id: what a signed request names
 
 
 class Conflict(msgspec.Struct, frozen=True, kw_only=True):
@@ -325,18 +326,23 @@ def _transient(status: int) -> bool:
 
 def _request(url: str, method: str, path: str, body: bytes | None, timeout: float,
              key: bytes | None = None) -> tuple[int, bytes]:
-    """One HTTP exchange; with ``key``, signed (a fresh nonce and timestamp each call)."""
+    """One HTTP exchange; with ``key``, signed for the server's current run, which a
+    ``GET /health`` first asks (a fresh nonce and timestamp each call)."""
     parts = urllib.parse.urlsplit(url)
     if parts.scheme != "http" or not parts.hostname:
         raise BootstrapRejected(f"bootstrap url {url!r} is not http://host:port", status=None)
+    headers = {"Connection": "close"}
+    full = parts.path.rstrip("/") + path
+    if key is not None:
+        status, data = _request(url, "GET", "/health", None, timeout)
+        if status != 200:
+            return status, data  # transient (retried) or a refusal: as the request's
+        run = _decode(data, Health, "health").server_id
+        headers.update(sign(key, method, full, body or b"", now=time.time(), server=run))
     conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout)
     try:
-        headers = {"Connection": "close"}
         if body is not None:
             headers["Content-Type"] = "application/json"
-        full = parts.path.rstrip("/") + path
-        if key is not None:
-            headers.update(sign(key, method, full, body or b"", now=time.time()))
         conn.request(method, full, body=body, headers=headers)
         resp = conn.getresponse()
         return resp.status, resp.read(MAX_REPLY_BYTES)

@@ -8,8 +8,8 @@ live rank configured as this one, and registration fails, saying so. Blocking; t
 agent calls it once, while starting, and :func:`deregister_rank` once, while closing;
 a :class:`Registration` pairs the two, for the record :func:`prefill_record` builds.
 
-With ``SessionConfig.secret_file`` set, every request is signed with the deployment
-secret's bootstrap key (:func:`bootstrap_key`); the takeover of a dead rank's slot then
+Unless the rank runs insecure, every request is signed with the deployment secret's
+bootstrap key (:func:`bootstrap_key`); the takeover of a dead rank's slot then
 works as before, since the server lets any holder of the secret remove a rank that names
 its registered endpoint (the ownership rule in :mod:`kvhandoff.bootstrap.server`).
 """
@@ -30,7 +30,7 @@ from kvhandoff.bootstrap.client import (
 from kvhandoff.bootstrap.client import RankId as BootstrapRankId
 from kvhandoff.layout import Layout
 from kvhandoff.observe.report import metrics_url
-from kvhandoff.secret import PURPOSE_BOOTSTRAP, Secret, SecretError
+from kvhandoff.secret import PURPOSE_BOOTSTRAP, SecretError
 from kvhandoff.session.config import SessionConfig
 from kvhandoff.session.errors import BootstrapFailed
 
@@ -82,8 +82,10 @@ def register_rank(url: str, rec: RankRecord, *, config: SessionConfig, probe: Pr
                 raise BootstrapFailed(f"{what} could not remove the dead rank's "
                                       f"registration at {stale}: {e2}") from e2
         except BootstrapRejected as e:
-            hint = (" (the server requires signed registrations: set KVHANDOFF_SECRET_FILE "
-                    "to the deployment secret)" if e.status == 401 and key is None else "")
+            hint = (" (the server requires signed registrations: run with the deployment "
+                    "secret, not insecure)" if e.status == 401 and key is None else
+                    " (is KVHANDOFF_SECRET_FILE the same as the server's?)"
+                    if e.status == 401 else "")
             raise BootstrapFailed(f"{what} could not register: {e}{hint}") from e
         except BootstrapError as e:
             raise BootstrapFailed(f"{what} could not register: {e}") from e
@@ -124,11 +126,11 @@ class Registration:
 
 
 def bootstrap_key(config: SessionConfig) -> bytes | None:
-    """The key that signs bootstrap requests: derived from ``config.secret_file``, or
-    None without one. Raises :class:`SecretError` for a file it cannot use."""
-    if not config.secret_file:
-        return None
-    return Secret.load(config.secret_file).key(PURPOSE_BOOTSTRAP)
+    """The key that signs bootstrap requests: derived from ``config``'s deployment secret
+    (:meth:`~kvhandoff.session.config.SessionConfig.secret`), or None when it runs
+    insecure. Raises :class:`SecretError` for a file it cannot use."""
+    secret = config.secret()
+    return None if secret is None else secret.key(PURPOSE_BOOTSTRAP)
 
 
 def _stale_endpoint(e: RegistrationConflict) -> str | None:

@@ -37,6 +37,7 @@ import contextlib
 import ipaddress
 import itertools
 import logging
+import socket
 import sys
 import threading
 import time
@@ -49,7 +50,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvhandoff.bootstrap.auth import AuthRefused, Verifier
+from kvhandoff.bootstrap.auth import AuthRefused, Verifier, new_server_id
 from kvhandoff.bootstrap.client import (
     INSTANCE_FIELDS,
     PROTOCOL_VERSION,
@@ -67,8 +68,16 @@ from kvhandoff.bootstrap.client import (
     RegisterReply,
     Slot,
 )
+from kvhandoff.bootstrap.doors import Doors, accept_loop
 from kvhandoff.bootstrap.metrics import BootstrapMetrics
-from kvhandoff.secret import PURPOSE_BOOTSTRAP, Secret, SecretError
+from kvhandoff.descriptors import connection_cap, listening_socket
+from kvhandoff.secret import (
+    INSECURE_WARNING,
+    PURPOSE_BOOTSTRAP,
+    Secret,
+    SecretError,
+    deployment_secret,
+)
 from kvhandoff.session.config import SessionConfig
 from kvhandoff.signals import stop_on_signals
 
@@ -76,6 +85,9 @@ __all__ = ["DEFAULT_PORT", "BootstrapServer", "Limits", "Registry", "check_bind"
            "make_app", "serve"]
 
 log = logging.getLogger("kvhandoff.bootstrap")
+DESCRIPTOR_SHARE = 0.25
+"""The bootstrap server's share of the descriptors free when it starts (its connection
+cap, :func:`~kvhandoff.descriptors.connection_cap`)."""
 
 DEFAULT_PORT = 8998  # the reference system's default bootstrap port
 _T = TypeVar("_T")
@@ -104,7 +116,7 @@ class Limits:
     max_instance_bytes: int = 2 << 20  # one instance's records: the largest lookup answer
     max_total_bytes: int = 32 << 20  # every record held
     max_filter_ranks: int = 4096  # entries of one lookup's tp_rank / pp_rank list
-    max_connections: int = 256
+    max_connections: int = 256  # and at most a quarter of the descriptors free at start
     header_timeout: float = 10.0
     body_timeout: float = 10.0
 
@@ -337,6 +349,7 @@ class Registry:
 REGISTRY = web.AppKey("registry", Registry)
 METRICS = web.AppKey("metrics", BootstrapMetrics)
 VERIFIER = web.AppKey("verifier", Verifier)  # absent: no secret, mutations unsigned
+SERVER_ID = web.AppKey("server_id", str)  # this run's id: signed requests name it
 _STATUS_CODES = {400: "malformed", 404: "not_found", 405: "method_not_allowed",
                  408: "timeout", 413: "too_large"}
 
@@ -346,57 +359,14 @@ def _json(status: int, obj: msgspec.Struct) -> web.Response:
                         content_type="application/json")
 
 
-class _Refuse(asyncio.Protocol):
-    """A connection the server has no room for: closed as soon as it is accepted."""
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        transport.close()
-
-
-class _Doors:
-    """The listening socket's protocol factory: at most ``cap`` connections. At the cap
-    the oldest connection not inside a request (idle, or still sending its request head)
-    is closed to make room; when every one is inside a request, which ``body_timeout``
-    bounds, the newcomer is closed instead. Event-loop thread only."""
-
-    _FRESH_S = 1.0  # a handler not yet connected after this long never will be
-
-    def __init__(self, cap: int) -> None:
-        self.cap = cap
-        self.server: web.Server | None = None  # set once the runner is set up
-        self.busy: set[int] = set()  # id() of the handlers inside a request
-        self.shed = 0  # connections closed to make room
-        # Handlers made but not yet connected: asyncio calls the factory for a whole
-        # burst of accepts before any connection_made, which is when aiohttp lists them.
-        self._fresh: list[tuple[float, web.RequestHandler]] = []
-
-    def __call__(self) -> asyncio.Protocol:
-        assert self.server is not None
-        now = time.monotonic()
-        made = self.server.connections
-        listed = {id(h) for h in made}
-        self._fresh = [(t, h) for t, h in self._fresh
-                       if now - t < self._FRESH_S and id(h) not in listed]
-        live = [h for h in made if h.transport is not None]
-        if len(live) + len(self._fresh) >= self.cap:
-            idle = next((h for h in live if id(h) not in self.busy), None)
-            if idle is None:
-                return _Refuse()
-            idle.force_close()
-            self.shed += 1
-        handler = self.server()
-        self._fresh.append((now, handler))
-        return handler
-
-
-DOORS = web.AppKey("doors", _Doors)
+DOORS = web.AppKey("doors", Doors)
 
 
 @web.middleware
 async def _track(request: web.Request,
                  handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                  ) -> web.StreamResponse:
-    """Mark the connection busy while a request is handled (outermost), for _Doors."""
+    """Mark the connection busy while a request is handled (outermost), for Doors."""
     busy = request.app[DOORS].busy
     key = id(request.protocol)
     busy.add(key)
@@ -524,7 +494,8 @@ async def _instances(request: web.Request) -> web.Response:
 
 
 async def _health(request: web.Request) -> web.Response:
-    return _json(200, request.app[REGISTRY].health())
+    return _json(200, msgspec.structs.replace(request.app[REGISTRY].health(),
+                                              server_id=request.app[SERVER_ID]))
 
 
 async def _metrics(request: web.Request) -> web.Response:
@@ -532,19 +503,23 @@ async def _metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def make_app(registry: Registry | None = None, *, secret: Secret | None = None
-             ) -> web.Application:
+def make_app(registry: Registry | None = None, *, secret: Secret | None = None,
+             server_id: str | None = None) -> web.Application:
     """The aiohttp application around ``registry`` (a fresh one by default). With
     ``secret``, registering and deregistering need requests signed with its
-    :data:`~kvhandoff.secret.PURPOSE_BOOTSTRAP` key."""
+    :data:`~kvhandoff.secret.PURPOSE_BOOTSTRAP` key, for this run: ``server_id``
+    (:func:`~kvhandoff.bootstrap.auth.new_server_id` by default), which ``/health``
+    tells."""
     registry = registry or Registry()
     app = web.Application(client_max_size=registry.limits.max_body_bytes,
                           middlewares=[_track, _count, _errors])
     app[REGISTRY] = registry
+    app[SERVER_ID] = server_id = server_id or new_server_id()
     app[METRICS] = BootstrapMetrics(registry.health)
-    app[DOORS] = _Doors(registry.limits.max_connections)
+    # read now, when the server starts: the cap stays below the descriptor limit
+    app[DOORS] = Doors(connection_cap(registry.limits.max_connections, DESCRIPTOR_SHARE))
     if secret is not None:
-        app[VERIFIER] = Verifier(secret.key(PURPOSE_BOOTSTRAP))
+        app[VERIFIER] = Verifier(secret.key(PURPOSE_BOOTSTRAP), server=server_id)
     app.router.add_post("/v1/register", _register)
     app.router.add_delete("/v1/register", _deregister)
     app.router.add_get("/v1/instances", _instances)
@@ -566,15 +541,20 @@ async def _run(app: web.Application, host: str, port: int, stop: asyncio.Event,
     await runner.setup()
     doors = app[DOORS]
     doors.server = runner.server
-    listener: asyncio.Server | None = None
+    sock: socket.socket | None = None
+    accepting: asyncio.Task[None] | None = None
     try:
-        listener = await asyncio.get_running_loop().create_server(
-            doors, host or None, port, reuse_address=True)
-        on_started(int(listener.sockets[0].getsockname()[1]))
+        sock = listening_socket(host, port)
+        accepting = asyncio.create_task(accept_loop(sock, doors))
+        on_started(int(sock.getsockname()[1]))
         await stop.wait()
     finally:
-        if listener is not None:
-            listener.close()
+        if accepting is not None:
+            accepting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await accepting
+        if sock is not None:
+            sock.close()
         await runner.cleanup()
 
 
@@ -592,17 +572,22 @@ class BootstrapServer:
     :class:`BootstrapError` if it cannot bind. ``close()`` is idempotent and returns once
     the listening socket, every connection and the thread are gone. With ``secret``,
     registrations must be signed (see the HTTP shell's notes); it binds any address it
-    is given (:func:`check_bind` is the command line's policy). ``start``/``close``
-    are meant for one owning thread; ``url``, ``port`` and ``registry`` may be read from
-    any thread.
+    is given (:func:`check_bind` is the command line's policy). Without ``secret`` it
+    uses the user's default deployment secret (:func:`~kvhandoff.secret.deployment_secret`),
+    as agents do without configuration; only ``insecure`` serves unsigned registrations.
+    ``start``/``close`` are meant for one owning thread; ``url``, ``port`` and
+    ``registry`` may be read from any thread.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *,
                  limits: Limits | None = None, secret: Secret | None = None,
-                 start_timeout: float = 10.0) -> None:
+                 insecure: bool = False, start_timeout: float = 10.0) -> None:
         self.host = host
-        self.secret = secret
+        if secret is not None and insecure:
+            raise ValueError("BootstrapServer: a secret and insecure exclude each other")
+        self.secret = secret if secret is not None or insecure else deployment_secret()
         self.registry = Registry(limits)
+        self.server_id = new_server_id()  # this run's: what signed requests must name
         self._requested_port = port
         self._start_timeout = start_timeout
         self._port: int | None = None
@@ -611,6 +596,7 @@ class BootstrapServer:
         self._stop: asyncio.Event | None = None
         self._started = threading.Event()
         self._failure: BaseException | None = None
+        self.doors: Doors | None = None  # its connections (cap, counters), once started
 
     @property
     def port(self) -> int:
@@ -642,8 +628,9 @@ class BootstrapServer:
     def _main(self) -> None:
         async def main() -> None:
             self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-            await _run(make_app(self.registry, secret=self.secret), self.host,
-                       self._requested_port, self._stop, self._on_started)
+            app = make_app(self.registry, secret=self.secret, server_id=self.server_id)
+            self.doors = app[DOORS]
+            await _run(app, self.host, self._requested_port, self._stop, self._on_started)
 
         try:
             asyncio.run(main())
@@ -723,13 +710,18 @@ def serve(host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, limits: Limits |
 
 def main(host: str, port: int, *, secret_file: str | None, insecure: bool) -> int:
     """``kvhandoff bootstrap``: load the secret (``secret_file``, else
-    ``KVHANDOFF_SECRET_FILE``), then :func:`serve`. Returns 2, saying why on stderr,
-    when the secret or the bind address is refused."""
+    ``KVHANDOFF_SECRET_FILE``, else the user's default one; none with ``insecure``, said
+    loudly on stderr), then :func:`serve`. Returns 2, saying why on stderr, when the
+    secret or the bind address is refused."""
     try:
-        path = secret_file if secret_file is not None else SessionConfig.from_env().secret_file
-        secret = Secret.load(path) if path else None
+        env = SessionConfig.from_env()
+        path = secret_file if secret_file is not None else env.secret_file
+        insecure = insecure or env.insecure
+        secret = deployment_secret(path, insecure=insecure)
         check_bind(host, secret=secret, insecure=insecure)
     except (SecretError, BootstrapError, ValueError) as e:
         print(f"kvhandoff bootstrap: {e}", file=sys.stderr)
         return 2
+    if secret is None:
+        print(f"kvhandoff bootstrap: {INSECURE_WARNING}", file=sys.stderr, flush=True)
     return serve(host, port, secret=secret, insecure=insecure)

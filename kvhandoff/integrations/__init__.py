@@ -30,6 +30,7 @@ Odds and ends
     ``coalesce_runs`` (sorted ids as runs), ``HandshakeError``, ``LocalProtocolError``.
 """
 
+from kvhandoff.binding import RequestKey
 from kvhandoff.errors import HandshakeError, LocalProtocolError
 from kvhandoff.integrations.hooks import HandoffHook, load_hook
 from kvhandoff.integrations.outcomes import (
@@ -73,6 +74,7 @@ __all__ = [
     "Outcome",
     "Placement",
     "Receiver",
+    "RequestKey",
     "Role",
     "Row",
     "Sender",

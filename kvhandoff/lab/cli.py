@@ -54,15 +54,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     boot = sub.add_parser("bootstrap", help="run the bootstrap (rendezvous) server")
     boot.add_argument("--host", default="127.0.0.1",
-                      help="address to bind (default 127.0.0.1; any other address needs "
-                           "--secret-file or --insecure)")
+                      help="address to bind (default 127.0.0.1)")
     boot.add_argument("--port", type=int, default=8998, help="port to bind (default 8998)")
     boot.add_argument("--secret-file", default=None, metavar="PATH",
-                      help="the deployment secret (mode 0600; default $KVHANDOFF_SECRET_FILE): "
-                           "registering and deregistering must then be signed with it")
+                      help="the deployment secret (mode 0600; default $KVHANDOFF_SECRET_FILE, "
+                           "else this user's own, made on first use): registering and "
+                           "deregistering must be signed with it")
     boot.add_argument("--insecure", action="store_true",
-                      help="serve a non-loopback address without a secret (anyone who can "
-                           "reach it can replace any rank)")
+                      help="no deployment secret (also KVHANDOFF_INSECURE=1): anyone who "
+                           "can reach the server can register, replace or remove any rank")
 
     sub.add_parser("transports", help="list the transports, whether each is usable here and why")
 

@@ -23,6 +23,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import secrets
 import sys
 import tempfile
 import time
@@ -211,7 +212,9 @@ def _run(opts: Options, server: BootstrapServer, secret_file: str, trace: str,
                           bootstrap_url=srv.url, transport=opts.transport,
                           requests=opts.requests, max_new_tokens=opts.max_new_tokens,
                           session=dict(opts.session), secret_file=secret_file, trace=trace,
-                          metrics_port=-1 if port is None else port)
+                          metrics_port=-1 if port is None else port,
+                          # the demo routes every request: it keys them (kvhandoff.binding)
+                          router_secret=secrets.token_bytes(32))
         d_spec = replace(spec, tp=opts.decode_tp, corrupt=opts.corrupt,
                          metrics_port=-1 if port is None else port + 1 if port else 0)
         with _worker(prefill_main, spec) as (pre, ready), _worker(decode_main, d_spec) as (

@@ -50,6 +50,7 @@ class WorkerSpec:
     corrupt: str | None = None  # decode only: flip one received byte of this component
     session: dict[str, float] = field(default_factory=dict)  # SessionConfig overrides
     secret_file: str = ""  # the deployment secret the demo made ("": none)
+    router_secret: bytes | None = None  # what keys each request (the demo's, per run)
     trace: str = ""  # append each request's trace line here ("": as the environment says)
     metrics_port: int = -1  # serve this process's metrics here (0: any free port; -1: no)
 
@@ -243,7 +244,8 @@ def prefill_main(conn: Connection, spec: WorkerSpec) -> None:
         session_config(spec)
         prep, pools = _prepare(spec)
         inst = PrefillInstance(prep.model, prep.arch, tp=spec.tp, pools=pools, chunk=spec.chunk)
-        session = PrefillLink(inst.ranks, spec.bootstrap_url, transport=spec.transport)
+        session = PrefillLink(inst.ranks, spec.bootstrap_url, transport=spec.transport,
+                              router_secret=spec.router_secret)
         link = TimedLink(session)
     except Exception as e:  # report, don't hang the parent
         conn.send(Failed(f"prefill start: {type(e).__name__}: {e}"))
@@ -280,7 +282,8 @@ def decode_main(conn: Connection, spec: WorkerSpec) -> None:
         prep, pools = _prepare(spec)
         inst = DecodeInstance(prep.model, prep.arch, tp=spec.tp, pools=pools,
                               prefix_cache=spec.prefix_cache)
-        link = DecodeLink(inst.ranks, spec.bootstrap_url, transport=spec.transport)
+        link = DecodeLink(inst.ranks, spec.bootstrap_url, transport=spec.transport,
+                          router_secret=spec.router_secret)
     except Exception as e:
         conn.send(Failed(f"decode start: {type(e).__name__}: {e}"))
         return

@@ -9,7 +9,8 @@ request's timeline, bytes, error class and notable events), and is :meth:`watche
 
 Labels are bounded: ``role`` (prefill / decode), ``transport`` (a registry name),
 ``phase`` (a fixed list), ``status`` (success / failed) and ``reason`` (an error class
-name, a closed set). Never a request id, nor a name a peer chooses.
+name, or why indices were refused: closed sets). Never a request id, nor a name a peer
+chooses.
 """
 
 from __future__ import annotations
@@ -168,6 +169,10 @@ class HandoffMetrics:
                                registry=r)
         self.live = Gauge("kvhandoff_live_requests", "Requests in flight", ["role"],
                           registry=r)
+        self.refused_claims = Counter(
+            "kvhandoff_refused_claims", "Indices a prefill rank refused because they did "
+            "not prove the request was routed to their decode (kvhandoff.binding): "
+            "no_proof or bad_proof; nothing was written for them", ["reason"], registry=r)
         self._peers = _PeerGauges()
         r.register(self._peers)
 

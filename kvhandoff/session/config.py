@@ -31,8 +31,12 @@ served, though they are still collected for a host to merge); ``trace``
 (``KVHANDOFF_TRACE``) appends one JSON line per finished request to that file.
 
 Security: ``secret_file`` (``KVHANDOFF_SECRET_FILE``) names the deployment secret
-(:mod:`kvhandoff.secret`); a prefill rank then signs its bootstrap registration
-with it. The file is read when it is used, not here.
+(:mod:`kvhandoff.secret`); without one, the user's default secret is used (made on first
+use, readable by this user only), so a deployment is closed to other users without any
+configuration; ``insecure`` (``KVHANDOFF_INSECURE=1``) runs with no secret at all, and
+says so loudly. :meth:`SessionConfig.secret` applies the rule; the file is read when it
+is used, not here. Ranks sign their bootstrap requests and control messages with keys
+derived from it, and key their transports' data-plane handshakes with another.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from kvhandoff.secret import PURPOSE_DATA, Secret, deployment_secret
 
 ENV_PREFIX = "KVHANDOFF_"
 
@@ -91,7 +97,8 @@ class SessionConfig:
     metrics: bool = True  # count this agent's requests in the process's metrics
     metrics_port: int = -1  # serve this process's Prometheus metrics here (0: any; -1: off)
     trace: str = ""  # append a JSON line per finished request to this file ("": off)
-    secret_file: str = ""  # the deployment secret (kvhandoff.secret; "": none)
+    secret_file: str = ""  # the deployment secret (kvhandoff.secret; "": the user's default)
+    insecure: bool = False  # no deployment secret at all: anyone who reaches us is trusted
 
     def __post_init__(self) -> None:
         problems = []
@@ -111,6 +118,9 @@ class SessionConfig:
             problems.append("register_retries must be >= 0, max_pending_inits and workers >= 1")
         if not _INSTANCE.match(self.instance):
             problems.append(f"instance {self.instance!r} must match {_INSTANCE.pattern}")
+        if self.insecure and self.secret_file:
+            problems.append(f"insecure and secret_file ({self.secret_file}) exclude each "
+                            "other: choose one")
         if problems:
             raise ValueError("invalid session config: " + "; ".join(problems))
 
@@ -154,6 +164,17 @@ class SessionConfig:
 
     def replace(self, **changes: Any) -> SessionConfig:
         return dataclasses.replace(self, **changes)
+
+    def secret(self) -> Secret | None:
+        """The deployment secret these settings name: ``secret_file``, else none when
+        ``insecure``, else the user's default one (:func:`~kvhandoff.secret.deployment_secret`).
+        Raises :class:`~kvhandoff.secret.SecretError` for a file it cannot use."""
+        return deployment_secret(self.secret_file, insecure=self.insecure)
+
+    def data_key(self) -> bytes | None:
+        """The transports' ``data_secret``: the data-plane key of :meth:`secret`."""
+        secret = self.secret()
+        return None if secret is None else secret.key(PURPOSE_DATA)
 
 
 def _parse(name: str, kind: object, raw: str) -> Any:

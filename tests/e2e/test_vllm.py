@@ -30,6 +30,7 @@ from pathlib import Path
 
 import pytest
 
+from kvhandoff.lab.testing.fixtures import vllm_or_skip
 from kvhandoff.lab.vllm.demo import DUMP_HOOK
 from kvhandoff.lab.vllm.serve import (
     ServerError,
@@ -37,7 +38,6 @@ from kvhandoff.lab.vllm.serve import (
     free_ports,
     get_text,
     post_json,
-    vllm_python,
 )
 from kvhandoff.lab.vllm.tiny import SERVE_ARGS
 
@@ -50,14 +50,6 @@ PROMPTS = [
 ]
 MAX_TOKENS = 8
 
-
-def _vllm_or_skip() -> Path:
-    py = vllm_python()
-    if not py.exists():
-        if os.environ.get("CI"):
-            pytest.fail(f"{py} is missing: `make test` builds it with `make vllm-venv`")
-        pytest.skip(f"{py} is missing; run `make vllm-venv` (make test does)")
-    return py
 
 
 @dataclass
@@ -81,7 +73,7 @@ def _kv(role: str, bootstrap: str, dump: Path, *, short: bool = False) -> dict[s
 def _model_and_bootstrap(kind: str, root: Path) -> tuple[Path, subprocess.Popen[bytes], str]:
     """A tiny ``kind`` checkpoint under ``root`` and a running ``kvhandoff bootstrap``
     (``host:port``); the caller kills the process."""
-    py = _vllm_or_skip()
+    py = vllm_or_skip()
     model = root / "model"
     subprocess.run([str(py), "-m", "kvhandoff.lab.vllm.tiny", kind, str(model)],
                    check=True, timeout=600, capture_output=True)

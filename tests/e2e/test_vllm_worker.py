@@ -307,7 +307,7 @@ class CountingTcp(TcpTransport):
     """Records how many statuses each submit's in-band notice carried."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(data_secret=SessionConfig().data_key())  # as the rig's agents
         self.notices: list[int] = []
 
     def submit(self, peer: Peer, plan: Plan, *, notice: bytes | None = None) -> Handle:

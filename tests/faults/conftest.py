@@ -1,7 +1,15 @@
 """Fixtures for session fault tests (:mod:`kvhandoff.lab.testing.fixtures`): a bootstrap server
-that must end empty, fresh instance names, the in-process rig, and a check that no
-``kvh-*`` thread outlives a test."""
+that must end empty, fresh instance names, the in-process rig (and an open, ``insecure``
+one, for peers that speak without the secret), and a check that no ``kvh-*`` thread
+outlives a test."""
 
-from kvhandoff.lab.testing.fixtures import bootstrap, instance, no_leaked_threads, rig
+from kvhandoff.lab.testing.fixtures import (
+    bootstrap,
+    instance,
+    no_leaked_threads,
+    open_bootstrap,
+    open_rig,
+    rig,
+)
 
-__all__ = ["bootstrap", "instance", "no_leaked_threads", "rig"]
+__all__ = ["bootstrap", "instance", "no_leaked_threads", "open_bootstrap", "open_rig", "rig"]

@@ -17,7 +17,7 @@ from kvhandoff.lab.testing.rig import Rig
 from kvhandoff.plan.execute import HostMemory
 from kvhandoff.plan.model import Plan
 from kvhandoff.protocol import Abort, Message, TransferInit, TransferInits, decode_notice
-from kvhandoff.session import Status
+from kvhandoff.session import SessionConfig, Status
 from kvhandoff.session.control.channel import Origin
 from kvhandoff.transport.base import Handle, Peer
 from kvhandoff.transport.errors import TransportClosed
@@ -29,7 +29,7 @@ class CountingTcp(TcpTransport):
     submit with several of them is refused, as a closed peer's would be."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(data_secret=SessionConfig().data_key())  # as the rig's agents
         self.notices: list[int] = []
         self.refuse = False
 

@@ -23,7 +23,7 @@ from kvhandoff.protocol import (
     decode_notice,
     encode_notice,
 )
-from kvhandoff.session import Status
+from kvhandoff.session import SessionConfig, Status
 from kvhandoff.transport.base import Handle, Peer
 from kvhandoff.transport.tcp.transport import TcpTransport
 
@@ -35,7 +35,7 @@ class ReorderingTcp(TcpTransport):
     prefill)."""
 
     def __init__(self, *, repeat: str = "") -> None:
-        super().__init__()
+        super().__init__(data_secret=SessionConfig().data_key())  # as the rig's agents
         self.held: list[tuple[Peer, bytes]] = []
         self.repeat = repeat  # "last" or "first": deliver that chunk's status twice
         self.reordered = 0

@@ -11,6 +11,7 @@ import time
 import zmq
 
 from kvhandoff.bootstrap.server import BootstrapServer
+from kvhandoff.lab.testing.fixtures import OPEN
 from kvhandoff.lab.testing.rig import Rig
 from kvhandoff.protocol import RankId, TransferInit, encode_message
 from kvhandoff.session import PeerLost, Status
@@ -72,16 +73,18 @@ def _free_port() -> int:
 
 
 def test_indices_from_an_unknown_rank_that_goes_silent_fail_the_request(
-        bootstrap: BootstrapServer, instance: str) -> None:
+        open_bootstrap: BootstrapServer, instance: str) -> None:
     """A decode rank prefill does not know (dropped, or never handshaken) sends indices
     and is asked to handshake again; it never does and answers no heartbeat: the
-    request fails within the heartbeat timeout, not indices_timeout."""
-    rig = Rig(bootstrap.url, instance, prefill_cfg={"indices_timeout": 60.0})
+    request fails within the heartbeat timeout, not indices_timeout. (An open
+    deployment: the ghost speaks without the secret.)"""
+    rig = Rig(open_bootstrap.url, instance, prefill_cfg={**OPEN, "indices_timeout": 60.0},
+              decode_cfg=OPEN)
     ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
     try:
         s = rig.sender(rig.plan(1))[0]
         ghost = f"tcp://127.0.0.1:{_free_port()}"  # nothing will answer there
-        sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTING_ID, ghost.encode())
         sock.connect(rig.prefill.endpoint)
@@ -94,7 +97,7 @@ def test_indices_from_an_unknown_rank_that_goes_silent_fail_the_request(
         assert time.monotonic() - t0 < 10  # the heartbeat (1 s), not indices_timeout (60 s)
         assert "asked to handshake again" in str(s.reason), s.reason
         assert ghost in str(s.reason)
-        sock.close()
     finally:
+        sock.close()
         ctx.term()
         rig.close()

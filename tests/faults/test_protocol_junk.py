@@ -1,5 +1,9 @@
 """Malformed, unknown, oversized and out-of-place control messages: each is answered with
-an ErrorReply saying why, no thread dies, and the agent keeps serving handoffs."""
+an ErrorReply saying why, no thread dies, and the agent keeps serving handoffs.
+
+The deployment is open (``insecure``): with the deployment secret, a message that is not
+signed is refused before it is read at all (tests/security/test_control_auth.py), so the
+parser would never see this junk."""
 
 from __future__ import annotations
 
@@ -18,6 +22,12 @@ from kvhandoff.protocol import (
     decode_message,
     encode_message,
 )
+
+
+@pytest.fixture
+def rig(open_rig: Rig) -> Rig:
+    return open_rig
+
 
 JUNK = [
     pytest.param([b""], "malformed", id="empty"),

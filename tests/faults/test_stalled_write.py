@@ -9,7 +9,7 @@ import time
 from kvhandoff.bootstrap.server import BootstrapServer
 from kvhandoff.lab.testing.rig import Rig
 from kvhandoff.plan.model import Plan
-from kvhandoff.session import Status
+from kvhandoff.session import SessionConfig, Status
 from kvhandoff.transport.base import Handle, Peer
 from kvhandoff.transport.tcp.transport import TcpTransport
 
@@ -18,7 +18,7 @@ class StalledTcp(TcpTransport):
     """Accepts every write and never completes it."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(data_secret=SessionConfig().data_key())  # as the rig's agents
         self.stalled: list[Handle] = []
 
     def submit(self, peer: Peer, plan: Plan, *, notice: bytes | None = None) -> Handle:

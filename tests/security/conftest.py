@@ -47,7 +47,7 @@ class Raw:
         hdrs = dict(headers or {})
         if key is not None:
             hdrs.update(sign(key, method, path, body or b"",
-                             now=time.time() if now is None else now))
+                             now=time.time() if now is None else now, server=self.server_id()))
         conn = http.client.HTTPConnection(self.host, self.port, timeout=10.0)
         try:
             conn.request(method, path, body=body, headers=hdrs)
@@ -59,6 +59,12 @@ class Raw:
             return resp.status, json.loads(data)
         except ValueError:
             return resp.status, {"raw": data.decode("utf-8", "replace")}
+
+    def server_id(self) -> str:
+        """The server run's id, as ``/health`` tells it (what a signed request names)."""
+        status, health = self.send("GET", "/health")
+        assert status == 200, health
+        return str(health["server_id"])
 
     def register(self, rec: RankRecord, **kw: Any) -> tuple[int, dict[str, Any]]:
         return self.send("POST", "/v1/register", msgspec.json.encode(rec), **kw)

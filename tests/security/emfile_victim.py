@@ -3,18 +3,23 @@
 its own RLIMIT_NOFILE so the test process keeps its own.
 
 Protocol on stdin/stdout: a byte-exact handoff; then every free descriptor is taken and
-``HOGGED host port`` (the decode's data port) is printed; the test connects and writes
-``CONNECTED``; once the decode's accept loop reported the failure (or 20 s passed) the
-descriptors are freed, a restarted prefill (new data connections) runs a second handoff,
-and ``ACCEPT-SURVIVED`` is printed if it is byte-exact."""
+``HOGGED host port control_port`` (the decode's data port and control socket) is
+printed; the test connects to both and writes ``CONNECTED``; once the decode's data
+accept loop and its control socket reported the failure (or 20 s passed),
+``SEEN {json}`` says what the control socket did meanwhile and the CPU seconds the
+process spent, the descriptors are freed, a restarted prefill (new data and control
+connections) runs a second handoff, and ``ACCEPT-SURVIVED`` is printed if it is
+byte-exact."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import resource
 import sys
 import threading
+import time
 
 from kvhandoff.bootstrap.server import BootstrapServer
 from kvhandoff.lab.testing.hostile import data_port, exact
@@ -54,10 +59,21 @@ def main() -> int:
             first = rig.plan(1)
             rig.handoff(first)
             host, port, _ = data_port(rig.decode)
+            door = rig.decode._control._door  # type: ignore[union-attr]
+            control = rig.decode.endpoint.rsplit(":", 1)[1]
             fds = _hog()
-            print("HOGGED", host, port, flush=True)
+            print("HOGGED", host, port, control, flush=True)
             sys.stdin.readline()
+            cpu0, wall0 = time.process_time(), time.monotonic()
             survived = seen.event.wait(20)
+            deadline = time.monotonic() + 20
+            while door.drained < 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(1)  # a second more at the limit: what a spin would burn
+            print("SEEN", json.dumps({
+                "control_accept_failures": door.accept_failures, "drained": door.drained,
+                "cpu_s": time.process_time() - cpu0, "wall_s": time.monotonic() - wall0}),
+                flush=True)
             for fd in fds:
                 os.close(fd)
             if not survived:

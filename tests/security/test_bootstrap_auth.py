@@ -74,12 +74,14 @@ def test_forged_registrations_are_401(raw: Any, secure: BootstrapServer, key: by
         status, reply = raw.send("POST", "/v1/register", body, **kw)
     elif how == "tampered_body":  # signed for one record, sent with another
         from kvhandoff.bootstrap.auth import sign
-        hdrs = sign(key, "POST", "/v1/register", body, now=time.time())
+        hdrs = sign(key, "POST", "/v1/register", body, now=time.time(),
+                    server=secure.server_id)
         evil = msgspec.json.encode(rec(0, port=6666))
         status, reply = raw.send("POST", "/v1/register", evil, headers=hdrs)
     elif how == "tampered_path":
         from kvhandoff.bootstrap.auth import sign
-        hdrs = sign(key, "DELETE", "/v1/register", body, now=time.time())
+        hdrs = sign(key, "DELETE", "/v1/register", body, now=time.time(),
+                    server=secure.server_id)
         status, reply = raw.send("POST", "/v1/register", body, headers=hdrs)
     elif how == "garbage_headers":
         hdrs = {"X-Kvhandoff-Timestamp": "-1", "X-Kvhandoff-Nonce": "zz",
@@ -97,7 +99,7 @@ def test_replayed_signature_is_refused(raw: Any, secure: BootstrapServer, key: b
                                        rec: Any) -> None:
     from kvhandoff.bootstrap.auth import sign
     body = msgspec.json.encode(rec(0))
-    hdrs = sign(key, "POST", "/v1/register", body, now=time.time())
+    hdrs = sign(key, "POST", "/v1/register", body, now=time.time(), server=secure.server_id)
     assert raw.send("POST", "/v1/register", body, headers=hdrs)[0] == 200
     # An eavesdropper replays the legitimate request, also after the rank left.
     status, reply = raw.send("POST", "/v1/register", body, headers=hdrs)
@@ -109,11 +111,42 @@ def test_replayed_signature_is_refused(raw: Any, secure: BootstrapServer, key: b
     # A replayed DELETE cannot remove the rank once it registered again.
     dbody = msgspec.json.encode({"instance": "prod", "dp_rank": 0, "tp_rank": 0,
                                  "pp_rank": 0, "control_endpoint": LEGIT})
-    dh = sign(key, "DELETE", "/v1/register", dbody, now=time.time())
+    dh = sign(key, "DELETE", "/v1/register", dbody, now=time.time(), server=secure.server_id)
     assert raw.send("DELETE", "/v1/register", dbody, headers=dh)[0] == 200
     assert register(secure.url, rec(0), key=key, retries=0).created
     assert raw.send("DELETE", "/v1/register", dbody, headers=dh)[0] == 401
     assert secure.registry.health().ranks == 1
+
+
+@pytest.mark.parametrize("where", ["second_server", "restarted"])
+def test_a_signed_request_cannot_be_replayed_at_another_server_run(
+        secure: BootstrapServer, secret_file: str, key: bytes, rec: Any, client: Any,
+        where: str) -> None:
+    """Finding "lower": a rank's signed DELETE, captured at one server, replayed within
+    the signature window at a second server holding the same secret, or at the same
+    address once the server restarted. Before, each replay was accepted once (a server's
+    memory of used signatures is its own, and one run long) and removed the rank there.
+    Now it names the run it was signed for and is refused."""
+    from kvhandoff.bootstrap.auth import sign
+    dbody = msgspec.json.encode({"instance": "prod", "dp_rank": 0, "tp_rank": 0,
+                                 "pp_rank": 0, "control_endpoint": LEGIT})
+    captured = sign(key, "DELETE", "/v1/register", dbody, now=time.time(),
+                    server=secure.server_id)
+    assert client(secure.url).send("DELETE", "/v1/register", dbody, headers=captured)[0] == 200
+    port = secure.port
+    if where == "restarted":
+        secure.close()
+    other = BootstrapServer(port=port if where == "restarted" else 0,
+                            secret=Secret.load(secret_file)).start()
+    try:
+        assert register(other.url, rec(0), key=key, retries=0).created
+        status, reply = client(other.url).send("DELETE", "/v1/register", dbody,
+                                               headers=captured)
+        assert status == 401 and "another server" in reply["reason"], reply
+        assert other.registry.health().ranks == 1
+        assert deregister(other.url, rec(0), key=key, retries=0)  # signed afresh: fine
+    finally:
+        other.close()
 
 
 def test_hijack_unsigned_delete_then_reregister_fails(raw: Any, secure: BootstrapServer,

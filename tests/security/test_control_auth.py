@@ -19,7 +19,14 @@ import zmq
 
 from kvhandoff.bootstrap.server import BootstrapServer
 from kvhandoff.lab.testing.fixtures import bootstrap, instance, no_leaked_threads
-from kvhandoff.lab.testing.hostile import Impostor, eventually, exact, hello_as, memory_problems
+from kvhandoff.lab.testing.hostile import (
+    Impostor,
+    eventually,
+    exact,
+    hello_as,
+    memory_problems,
+    prefill_desk,
+)
 from kvhandoff.lab.testing.rig import Rig, config
 from kvhandoff.protocol import (
     Abort,
@@ -45,7 +52,6 @@ from kvhandoff.session.control.auth import (
     is_signed,
 )
 from kvhandoff.session.errors import HandshakeError
-from kvhandoff.session.rank.prefill_desk import PrefillDesk
 from kvhandoff.transport import create_transport
 
 FIXTURES = (bootstrap, instance, no_leaked_threads)  # imported for pytest
@@ -68,11 +74,6 @@ def arig(secure: BootstrapServer, instance: str, secret_file: str) -> Iterator[R
     r.close()
     assert r.prefill.live_requests == 0 and r.decode.live_requests == 0
 
-
-def _desk(rig: Rig) -> PrefillDesk:
-    desk = rig.prefill._desk
-    assert isinstance(desk, PrefillDesk)
-    return desk
 
 
 def _payload(frame: bytes) -> bytes:
@@ -240,7 +241,7 @@ def test_a_captured_frame_cannot_be_replayed(arig: Rig,
     arig.handoff(rp)
     inits = [f for f in tap.sent if isinstance(decode_message(_payload(f)), TransferInit)]
     assert len(inits) == 1 and is_signed(inits[0])
-    desk = _desk(arig)
+    desk = prefill_desk(arig)
     before = arig.prefill.stats["unauthenticated"]
     with ch._dlock:
         tap.sock.send(inits[0])  # replayed on the decode's own connection
@@ -256,24 +257,56 @@ def test_a_captured_frame_cannot_be_replayed(arig: Rig,
     assert exact(arig, [first, rp, third]) == []
 
 
+def test_a_frame_signed_under_a_peers_name_does_not_silence_it(
+        arig: Rig, secret_file: str, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    """Finding "lower": a holder of the secret sends the decode one frame naming the
+    prefill, from a "run" of the prefill that starts a minute from now. Before, the
+    decode then took every frame the real prefill sent it for a replay from an earlier
+    run (statuses, aborts, acks: requests failed after their timeouts). Now the real
+    prefill's frames still verify, and the next handoff is exact."""
+    first, rp = arig.plan(1), arig.plan(2, block=1)
+    arig.handoff(first)
+    later = time.time() + 60  # inside the ±120 s window
+    key = Secret.load(secret_file).key(PURPOSE_CONTROL)
+    forger = Signer(key, endpoint=arig.prefill.endpoint, now=later)
+    beat = encode_message(Heartbeat(seq=1, sender=arig.prefill.endpoint))
+    before = arig.decode.stats["received"]
+    with Impostor(arig.decode.endpoint, ctx=ctx, listen=False,
+                  identity="tcp://127.0.0.1:1") as imp:
+        imp.dealer.send(forger.seal(beat, recipient=arig.decode.endpoint.encode(),
+                                    stream=Stream.DEALER, now=later))
+        assert eventually(lambda: arig.decode.stats["received"] > before)  # it verified
+    refused, heard = arig.decode.stats["unauthenticated"], arig.decode.stats["received"]
+    arig.prefill.post(arig.decode.endpoint, Heartbeat(seq=2, sender=arig.prefill.endpoint))
+    assert eventually(lambda: arig.decode.stats["received"] > heard
+                      or arig.decode.stats["unauthenticated"] > refused)
+    assert arig.decode.stats["unauthenticated"] == refused  # the real prefill still heard
+    arig.handoff(rp)
+    assert arig.decode.stats["unauthenticated"] == refused
+    assert exact(arig, [first, rp]) == []
+
+
 @pytest.mark.parametrize("misfit", ["other_secret", "decode_without", "prefill_without"])
 def test_a_peer_without_the_same_secret_fails_its_handshake_saying_why(
-        bootstrap: BootstrapServer, instance: str, secret_file: str, tmp_path: Path,
-        misfit: str) -> None:
+        instance: str, secret_file: str, tmp_path: Path, misfit: str) -> None:
     """At start-up (``Agent.handshake``), not mid-request and not after a timeout: the
-    handshake error names the cause, and the prefill counts what it refused."""
+    handshake error names the cause, and the prefill counts what it refused. (The
+    bootstrap server here takes anyone's registration: it is not what is tested.)"""
     other = write_secret_file(tmp_path / "other")
-    pcfg = {"secret_file": "" if misfit == "prefill_without" else secret_file}
-    dcfg = {"secret_file": {"other_secret": other, "decode_without": ""}.get(misfit, secret_file)}
-    rig = Rig(bootstrap.url, instance, prefill_cfg=pcfg, decode_cfg=dcfg)
-    try:
-        err = rig.decode.handshake(bootstrap.url)
-        assert isinstance(err, HandshakeError), err
-        assert HINT in str(err), err  # not "no answer to Hello within bootstrap_timeout"
-        assert rig.prefill.stats["unauthenticated"] >= 1
-        assert rig.prefill.stats["decode_peers"] == 0  # nothing was dialed or kept
-    finally:
-        rig.close()
+    mine = {"secret_file": secret_file}
+    pcfg = {"insecure": True} if misfit == "prefill_without" else mine
+    dcfg = {"other_secret": {"secret_file": other}, "decode_without": {"insecure": True}
+            }.get(misfit, mine)
+    with BootstrapServer(insecure=True) as srv:
+        rig = Rig(srv.url, instance, prefill_cfg=pcfg, decode_cfg=dcfg)
+        try:
+            err = rig.decode.handshake(srv.url)
+            assert isinstance(err, HandshakeError), err
+            assert HINT in str(err), err  # not "no answer to Hello within bootstrap_timeout"
+            assert rig.prefill.stats["unauthenticated"] >= 1
+            assert rig.prefill.stats["decode_peers"] == 0  # nothing was dialed or kept
+        finally:
+            rig.close()
 
 
 def test_the_secret_file_is_checked_when_the_agent_starts(secure: BootstrapServer,
@@ -305,7 +338,7 @@ def test_an_authenticated_stranger_cannot_abort_or_report_on_anothers_request(
         other.post(arig.prefill.endpoint, Abort(request_id=later.rid, rank=rank,
                                                 reason="poisoned in advance"))
         assert eventually(lambda: arig.prefill.stats["not_request_peer"] == 2)
-        assert later.rid not in _desk(arig).backlog.early  # no tombstone for a future id
+        assert later.rid not in prefill_desk(arig).backlog.early  # no tombstone for a future id
         rogue.post(arig.decode.endpoint, TransferStatus(
             request_id=rp.rid, rank=rogue.rank_id, chunk=0, last=True,
             outcome=Outcome.FAILED, reason="forged by a secret holder"))
@@ -322,12 +355,15 @@ def test_an_authenticated_stranger_cannot_abort_or_report_on_anothers_request(
 
 
 @pytest.mark.parametrize("sender_first", [True, False])
-def test_a_second_set_of_indices_fails_the_request_on_both_sides(
+def test_without_a_key_a_second_set_of_indices_fails_the_request_on_both_sides(
         arig: Rig, secret_file: str, sender_first: bool) -> None:
-    """Finding H2 ("steal") by a secret holder: a rogue decode of the same layout sends
-    its indices for the request first, then the real decode does. Before: the rogue got
-    an exact copy of the KV and the real decode starved. Now the request fails on the
-    prefill and both decodes, naming the reason, and no byte is written to either."""
+    """Finding H2 ("steal") by a secret holder, for a request without a key
+    (kvhandoff.binding, test_binding.py, is the fix): a rogue decode of the same layout
+    sends its indices for the request first, then the real decode does. Before: the
+    rogue got an exact copy of the KV and the real decode starved. Without a key the
+    prefill cannot tell them apart: once the Sender has both (at once, or when it
+    starts), the request fails on the prefill and both decodes, naming the reason, and
+    no byte is written to either."""
     first, rp = arig.plan(1), arig.plan(2, block=1)
     arig.handoff(first)
     rogue = arig.add_decode(decode_cfg={"secret_file": secret_file})
@@ -336,13 +372,14 @@ def test_a_second_set_of_indices_fails_the_request_on_both_sides(
     if s is not None:
         assert eventually(lambda: s.status is Status.WAITING_FOR_INPUT)
     else:
-        assert eventually(lambda: rp.rid in _desk(arig).backlog.inits)
+        assert eventually(lambda: rp.rid in prefill_desk(arig).backlog.inits)
     good = arig.receiver(rp)
+    if s is None:
+        assert eventually(lambda: len(prefill_desk(arig).backlog.inits.get(rp.rid, ())) == 2)
+        s = arig.sender(rp)[0]  # judges both sets when it starts
     for r in (bad, good):
         assert r.wait(10) is Status.FAILED
         assert "two endpoints" in str(r.reason), r.reason
-    if s is None:
-        s = arig.sender(rp)[0]  # fails on arrival
     assert s.wait(10) is Status.FAILED and "two endpoints" in str(s.reason), s.reason
     assert bad.wait_released(10) and good.wait_released(10)  # AbortAcks: nothing in flight
     assert memory_problems(arig, rogue, [], failed=[rp]) == []
@@ -359,7 +396,7 @@ def test_an_abort_reason_from_the_requests_peer_is_bounded(arig: Rig) -> None:
 
     rp = arig.plan(2, block=1)
     r = arig.receiver(rp)
-    desk = _desk(arig)
+    desk = prefill_desk(arig)
     assert eventually(lambda: rp.rid in desk.backlog.inits)
     r.abort("z" * (2 << 20))
     assert eventually(lambda: rp.rid in desk.backlog.early)

@@ -1,7 +1,11 @@
 """Strangers on the control socket cannot grow a prefill rank's tables without bound,
 evict what real requests left, make it dial addresses of their choosing, or flood its
 log; the decode's handshake waits as long as ``bootstrap_timeout`` says. A legitimate
-handoff before and after each attack is byte-exact (findings M1, M3, M5, M6, M7, L6, L7)."""
+handoff before and after each attack is byte-exact (findings M1, M3, M5, M6, M7, L6, L7).
+
+The deployment here is open (``insecure``): the strangers must get as far as a
+handshake, which without the secret they now cannot (test_control_auth.py); the bounds
+hold the same for a holder of the secret."""
 
 from __future__ import annotations
 
@@ -16,7 +20,13 @@ import pytest
 import zmq
 
 from kvhandoff.bootstrap.server import BootstrapServer
-from kvhandoff.lab.testing.fixtures import bootstrap, instance, no_leaked_threads, rig
+from kvhandoff.lab.testing.fixtures import (
+    OPEN,
+    instance,
+    no_leaked_threads,
+    open_bootstrap,
+    open_rig,
+)
 from kvhandoff.lab.testing.hostile import Impostor, eventually, exact, hello_as
 from kvhandoff.lab.testing.rig import Rig
 from kvhandoff.protocol import (
@@ -39,7 +49,13 @@ from kvhandoff.session.rank.prefill_desk import PrefillDesk
 from kvhandoff.session.request.chunks import KvCursor
 from kvhandoff.transport import Transport, create_transport
 
-FIXTURES = (bootstrap, instance, no_leaked_threads, rig)  # imported for pytest
+FIXTURES = (instance, no_leaked_threads, open_bootstrap, open_rig)  # imported for pytest
+
+
+@pytest.fixture
+def rig(open_rig: Rig) -> Rig:
+    """The rig of this module: an open deployment (see the module docstring)."""
+    return open_rig
 
 
 @pytest.fixture
@@ -205,12 +221,12 @@ def test_buffered_indices_ids_and_reasons_are_bounded(
 
 
 def test_hellos_naming_a_blackhole_do_not_hold_the_agent(
-        bootstrap: BootstrapServer, instance: str,
+        open_bootstrap: BootstrapServer, instance: str,
         ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
     """Six Hellos name a data port that accepts and never answers (the prefill waits up
     to its 30 s connect timeout on each): the agent's two workers stay free, and another
     decode deployment handshakes and hands off meanwhile."""
-    rig = Rig(bootstrap.url, instance,
+    rig = Rig(open_bootstrap.url, instance, prefill_cfg=OPEN, decode_cfg=OPEN,
               prefill_transport=create_transport("tcp", connect_timeout=30.0))
     hole = socket.create_server(("127.0.0.1", 0), backlog=64)  # never accepts, never answers
     imps: list[Impostor] = []
@@ -228,7 +244,7 @@ def test_hellos_naming_a_blackhole_do_not_hold_the_agent(
         ran = threading.Event()
         rig.prefill.spawn(ran.set)  # before the fix: queued behind six 30 s dials
         assert ran.wait(10)
-        other = rig.add_decode()
+        other = rig.add_decode(decode_cfg=OPEN)
         rig.handoff(rig.plan(2, block=2), on=other)
     finally:
         hole.close()  # the dials fail at once now
@@ -253,7 +269,8 @@ class _CountingCondition(threading.Condition):
 
 
 def test_the_handshake_waits_for_the_whole_bootstrap_timeout(
-        bootstrap: BootstrapServer, instance: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        open_bootstrap: BootstrapServer, instance: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """The prefill answers Hello only once the decode's handshake wait woke 200 times
     (the old loop gave up after 65 wake-ups, ~6.5 s, whatever the timeout); the decode's
     bootstrap_timeout (30 s) is far from over, so the handoff must succeed."""
@@ -266,7 +283,8 @@ def test_the_handshake_waits_for_the_whole_bootstrap_timeout(
     monkeypatch.setattr(groups.PrefillGroup, "__init__", counting)
     monkeypatch.setattr(_CountingCondition, "waits", 0)
     monkeypatch.setattr(_CountingCondition, "many", threading.Event())
-    rig = Rig(bootstrap.url, instance, decode_cfg={"bootstrap_timeout": 30.0})
+    rig = Rig(open_bootstrap.url, instance, prefill_cfg=OPEN,
+              decode_cfg={**OPEN, "bootstrap_timeout": 30.0})
     try:
         answers = _desk(rig).peers
         answer = answers.answer

@@ -157,15 +157,18 @@ def test_a_sniffed_token_proves_nothing_with_a_deployment_secret(
     the key from its ``secret_file``, or takes the transport option): an attacker
     holding the decode's token (as a hijacked Hello hands it over, 4a) is refused; the
     rig's own handoffs, before and after, are exact."""
+    url = bootstrap.url
     if how == "secret_file":
         secret_file = write_secret_file(tmp_path / "secret")
         key = Secret.load(secret_file).key(PURPOSE_DATA)
         cfg: dict[str, Any] = {"secret_file": secret_file}
         prefill_cfg, decode_cfg = cfg, cfg
+        own = BootstrapServer(secret=Secret.load(secret_file)).start()  # the same secret
+        url = own.url
     else:
-        key, prefill_cfg = DATA_KEY, {}
+        key, prefill_cfg, own = DATA_KEY, {}, None
         decode_cfg = {"transport_options": {"data_secret": DATA_KEY}}
-    r = Rig(bootstrap.url, instance, prefill_transport=TcpTransport(data_secret=key),
+    r = Rig(url, instance, prefill_transport=TcpTransport(data_secret=key),
             prefill_cfg=prefill_cfg, decode_cfg=decode_cfg)
     try:
         first = r.plan(1)
@@ -183,6 +186,8 @@ def test_a_sniffed_token_proves_nothing_with_a_deployment_secret(
         assert exact(r, [first, second]) == []
     finally:
         r.close()
+        if own is not None:
+            own.close()
 
 
 # --- tcp: an impostor on the port --------------------------------------------------------

@@ -116,17 +116,18 @@ def test_data_key_is_none_without_a_secret_file(tmp_path: Path) -> None:
 
 
 def test_a_rig_with_a_secret_file_hands_off_after_restarting_prefill(
-        bootstrap: BootstrapServer, instance: str, tmp_path: Path) -> None:
+        instance: str, tmp_path: Path) -> None:
     """The rig builds its prefill transport itself (at start and on restart): keyed
     with the secret file's data key, or the decode's server would refuse it."""
     cfg = {"secret_file": write_secret_file(tmp_path / "secret")}
-    r = Rig(bootstrap.url, instance, prefill_cfg=cfg, decode_cfg=cfg)
-    try:
-        first = r.plan(1)
-        r.handoff(first)
-        r.restart_prefill()
-        second = r.plan(2, block=2)
-        r.handoff(second)
-        assert exact(r, [first, second]) == []
-    finally:
-        r.close()
+    with BootstrapServer(secret=Secret.load(cfg["secret_file"])) as srv:
+        r = Rig(srv.url, instance, prefill_cfg=cfg, decode_cfg=cfg)
+        try:
+            first = r.plan(1)
+            r.handoff(first)
+            r.restart_prefill()
+            second = r.plan(2, block=2)
+            r.handoff(second)
+            assert exact(r, [first, second]) == []
+        finally:
+            r.close()

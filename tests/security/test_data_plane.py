@@ -5,6 +5,7 @@ handshake itself is tested in test_data_auth.py."""
 
 from __future__ import annotations
 
+import json
 import socket
 import struct
 import subprocess
@@ -25,6 +26,7 @@ from kvhandoff.transport.framing.handshake import (
     SERVER_FRAME,
     ClientHandshake,
     HandshakeFailed,
+    derive_key,
 )
 from kvhandoff.transport.framing.served import prove
 from kvhandoff.transport.framing.wire import HEADER, MAX_DESC, Kind, Records, Status
@@ -135,7 +137,9 @@ def test_a_record_count_that_wraps_int64_is_malformed(rig: Rig) -> None:
     ptr = int(rig.darena.bufs[0].ctypes.data)  # 1 × 4096 B × 2**52 rows = 2**64 B
     table = struct.pack("<q7qq", 1, ptr, 0, 0, 4096, 1 << 52, 0, 1, 0)
     with _dial(ep.host, ep.port) as s:
-        prove(s, key=ep.token.encode(), endpoint_id=ep.id, timeout=10, peer="decode")
+        # a peer that passed the handshake: the deployment's data key and the token
+        key = derive_key(ep.token.encode(), rig.prefill_cfg.data_key())
+        prove(s, key=key, endpoint_id=ep.id, timeout=10, peer="decode")
         s.settimeout(10)
         s.sendall(frame(Kind.WRITE, table, payload_len=0))
         reply = read_reply(s)  # before the fix: nbytes wrapped to 0, then a traceback
@@ -149,8 +153,11 @@ def test_a_record_count_that_wraps_int64_is_malformed(rig: Rig) -> None:
 
 def test_the_accept_loop_survives_running_out_of_descriptors() -> None:
     """A subprocess (its own RLIMIT_NOFILE) runs a rig, uses up its descriptors, and
-    we connect to its decode's data port: accept fails with EMFILE. Once descriptors
-    are free again, a restarted prefill must still reach that port."""
+    we connect to its decode's data port and control socket: accept fails with EMFILE.
+    The data server logs it and backs off; the control socket (libzmq would retry at once,
+    spinning a core) closes the waiting connections unread and stops taking more for a
+    while, so the process stays nearly idle. Once descriptors are free again, a restarted
+    prefill must still reach both."""
     proc = subprocess.Popen([sys.executable, str(VICTIM)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     conns: list[socket.socket] = []
@@ -158,11 +165,12 @@ def test_the_accept_loop_survives_running_out_of_descriptors() -> None:
         assert proc.stdout is not None and proc.stdin is not None
         line = proc.stdout.readline().split()
         assert line[:1] == ["HOGGED"], (line, proc.stderr.read() if proc.stderr else "")
-        host, port = line[1], int(line[2])
-        conns = [_dial(host, port) for _ in range(3)]  # accept() now fails: EMFILE
+        host, port, control = line[1], int(line[2]), int(line[3])
+        # accept() now fails: EMFILE
+        conns = [_dial(host, p) for p in (port, control) for _ in range(3)]
         proc.stdin.write("CONNECTED\n")
         proc.stdin.flush()
-        out, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=90)
         assert "ACCEPT-SURVIVED" in out, (out, err[-3000:])
         assert proc.returncode == 0, (out, err[-3000:])
     finally:
@@ -171,4 +179,8 @@ def test_the_accept_loop_survives_running_out_of_descriptors() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-
+    seen = json.loads(next(x for x in out.splitlines() if x.startswith("SEEN"))[4:])
+    assert seen["control_accept_failures"] >= 1 and seen["drained"] >= 1, seen
+    # a spinning accept loop burns a core for as long as the descriptors lack: a slow
+    # machine can only give it less CPU, never more, so this bound cannot fail by chance
+    assert seen["cpu_s"] < 0.25 * seen["wall_s"] + 0.5, seen

@@ -94,6 +94,7 @@ def test_the_secret_never_shows(tmp_path: Path) -> None:
 
 
 KEY = b"k" * 32
+RUN = "0123456789abcdef" * 2  # the server run a request is signed for
 
 
 def _check(v: Verifier, headers: dict[str, str], *, body: bytes = b"{}",
@@ -102,20 +103,21 @@ def _check(v: Verifier, headers: dict[str, str], *, body: bytes = b"{}",
 
 
 def test_verifier_accepts_once_within_the_window() -> None:
-    v = Verifier(KEY, window=60)
-    h = sign(KEY, "POST", "/v1/register", b"{}", now=1000.0)
+    v = Verifier(KEY, server=RUN, window=60)
+    h = sign(KEY, "POST", "/v1/register", b"{}", now=1000.0, server=RUN)
     _check(v, h, now=1030.0)
     with pytest.raises(AuthRefused, match="already used"):
         _check(v, h, now=1031.0)
     with pytest.raises(AuthRefused, match="window"):  # forgotten, but out of the window
         _check(v, h, now=1061.0)
-    _check(v, sign(KEY, "POST", "/v1/register", b"{}", now=1061.0), now=1061.0)  # new nonce
+    _check(v, sign(KEY, "POST", "/v1/register", b"{}", now=1061.0, server=RUN),
+           now=1061.0)  # a new nonce
     assert v.remembered == 1  # the first one is forgotten: its timestamp left the window
 
 
 def test_verifier_refuses_other_keys_methods_paths_and_bodies() -> None:
-    v = Verifier(KEY)
-    h = sign(KEY, "POST", "/v1/register", b"{}", now=1000.0)
+    v = Verifier(KEY, server=RUN)
+    h = sign(KEY, "POST", "/v1/register", b"{}", now=1000.0, server=RUN)
     for method, path, body in (("DELETE", "/v1/register", b"{}"),
                                ("POST", "/v1/register?x=1", b"{}"),
                                ("POST", "/v1/register", b"{ }")):
@@ -123,17 +125,31 @@ def test_verifier_refuses_other_keys_methods_paths_and_bodies() -> None:
             v.check(method, path, body, h, now=1000.0)
         assert e.value.status == 401
     with pytest.raises(AuthRefused, match="bad signature"):
-        _check(v, sign(b"x" * 32, "POST", "/v1/register", b"{}", now=1000.0))
+        _check(v, sign(b"x" * 32, "POST", "/v1/register", b"{}", now=1000.0, server=RUN))
     with pytest.raises(AuthRefused, match="not signed"):
         _check(v, {})
 
 
 def test_verifier_memory_is_bounded_and_refuses_when_full() -> None:
-    v = Verifier(KEY, window=10, max_remembered=3)
+    v = Verifier(KEY, server=RUN, window=10, max_remembered=3)
     for _ in range(3):
-        _check(v, sign(KEY, "POST", "/v1/register", b"{}", now=1000.0))
+        _check(v, sign(KEY, "POST", "/v1/register", b"{}", now=1000.0, server=RUN))
     with pytest.raises(AuthRefused, match="try again") as e:
-        _check(v, sign(KEY, "POST", "/v1/register", b"{}", now=1000.0))
+        _check(v, sign(KEY, "POST", "/v1/register", b"{}", now=1000.0, server=RUN))
     assert e.value.status == 503 and v.remembered == 3
-    _check(v, sign(KEY, "POST", "/v1/register", b"{}", now=1011.0), now=1011.0)  # expired
+    _check(v, sign(KEY, "POST", "/v1/register", b"{}", now=1011.0, server=RUN),
+           now=1011.0)  # the others expired
     assert v.remembered == 1
+
+
+def test_verifier_refuses_a_request_signed_for_another_server_run() -> None:
+    """Finding "lower": a request signed for one bootstrap server (or for this one before
+    it restarted) is refused by another holding the same secret, within the window."""
+    h = sign(KEY, "POST", "/v1/register", b"{}", now=1000.0, server=RUN)
+    _check(Verifier(KEY, server=RUN), h)
+    other = Verifier(KEY, server="f" * 32)  # a second server, or this one restarted
+    with pytest.raises(AuthRefused, match="another server") as e:
+        _check(other, h)
+    assert e.value.status == 401 and other.remembered == 0
+    with pytest.raises(ValueError, match="32 hex"):
+        Verifier(KEY, server="x")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from kvhandoff.binding import RequestKey
 from kvhandoff.protocol import IndexListMsg, RankId, TransferInit
 from kvhandoff.session.errors import PeerLost, RequestAborted
 from kvhandoff.session.rank import backlog as backlog_mod
@@ -19,14 +20,15 @@ from kvhandoff.session.rank.backlog import (
     id_problem,
     init_bytes,
 )
-from kvhandoff.session.rank.claims import Claims, abort_from, admit, slot_of, two_endpoints
+from kvhandoff.session.rank.claims import Buffering, Claims, Refused
 
 RANK = RankId(instance="d", dp_rank=0, tp_rank=1, tp_size=2, pp_rank=0, pp_size=1)
 
 
-def init(rid: int | str, nbytes: int = 8) -> TransferInit:
+def init(rid: int | str, nbytes: int = 8, proof: bytes | None = None) -> TransferInit:
     return TransferInit(request_id=rid, rank=RANK,
-                        indices={"kv": IndexListMsg(items=bytes(nbytes)), "aux": None})
+                        indices={"kv": IndexListMsg(items=bytes(nbytes)), "aux": None},
+                        proof=proof)
 
 
 def table(*, hold: float = 10.0, max_requests: int = 4) -> PrefillBacklog:
@@ -108,74 +110,91 @@ def test_long_request_ids_are_refused() -> None:
     assert id_problem("é" * (MAX_ID_BYTES // 2 + 1)) is not None
 
 
-def test_claims_name_a_requests_peers_until_dropped() -> None:
+def test_claims_name_a_live_senders_peers_until_dropped() -> None:
     c = Claims()
-    slot = slot_of(RANK)
-    assert slot == (1, 0) and c.first(1, slot) is None and not c.is_peer(1, "a")
-    c.claim(1, slot, "a")
-    c.claim(2, (0, 0), "b")
-    assert c.first(1, slot) == "a" and c.is_peer(1, "a")
+    slot = claims_mod.slot_of(RANK)
+    assert slot == (1, 0) and not c.is_peer(1, "a")
+    assert c.take(1, slot, "a") is None and c.take(2, (0, 0), "b") is None
+    assert c.take(1, slot, "a") is None  # the same endpoint again: still its claim
+    assert c.take(1, slot, "evil") == "a"  # a second endpoint: named, not recorded
+    assert c.is_peer(1, "a") and not c.is_peer(1, "evil")
     assert not c.is_peer(1, "b") and not c.is_peer(1, None)
-    c.keep_only({2}, {})
-    assert c.first(1, slot) is None and c.is_peer(2, "b")
+    c.keep_only({2})
+    assert not c.is_peer(1, "a") and c.is_peer(2, "b")
     c.drop(2)
     assert not c.is_peer(2, "b")
 
 
 def test_a_second_endpoint_for_one_rank_is_named() -> None:
-    why = two_endpoints(7, RANK, "tcp://d:1", "tcp://evil:2")
+    why = claims_mod.two_endpoints(7, RANK, "tcp://d:1", "tcp://evil:2")
     assert "7" in why and "tp 1 pp 0" in why
     assert "two endpoints (tcp://d:1, then tcp://evil:2)" in why
 
 
-def test_indices_before_the_sender_are_buffered_and_claimed_once() -> None:
+def test_indices_before_the_sender_wait_side_by_side_and_claim_nothing() -> None:
+    """Finding H2, rogue first: whoever sends indices before the Sender exists decides
+    nothing; every claimant's set waits (once per endpoint) for the Sender to judge."""
+    b = table()
+    assert claims_mod.buffer(b, init(1), "rogue", b"t-rogue", 0.0) == (Buffering.BUFFERED, None)
+    assert claims_mod.buffer(b, init(1), "real", b"t-real", 1.0) == (Buffering.BUFFERED, None)
+    assert claims_mod.buffer(b, init(1), "rogue", b"t-rogue", 2.0) == (Buffering.REPEAT, None)
+    assert [(x.endpoint, x.transport) for x in b.inits[1]] == [
+        ("rogue", b"t-rogue"), ("real", b"t-real")]
+    assert b.tomb(1) is None
+    b.tombstone(2, "failed here", 0.0)
+    assert claims_mod.buffer(b, init(2), "real", b"t", 0.0) == (Buffering.FAILED, b.tomb(2))
+
+
+def test_claimants_of_one_request_are_capped(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(backlog_mod, "MAX_CLAIMANTS", 2)
+    b = table()
+    claims_mod.buffer(b, init(1), "a", b"", 0.0)
+    claims_mod.buffer(b, init(1), "b", b"", 0.0)
+    got, why = claims_mod.buffer(b, init(1), "c", b"", 0.0)
+    assert got is Buffering.REFUSED and "MAX_CLAIMANTS" in str(why)
+    assert len(b.inits[1]) == 2 and not b.sent(1, "c")
+
+
+def test_refused_indices_are_not_buffered() -> None:
+    b = table(max_requests=1)
+    claims_mod.buffer(b, init(1), "a", b"", 0.0)
+    got, why = claims_mod.buffer(b, init(2), "a", b"", 0.0)
+    assert got is Buffering.REFUSED and "max_pending_inits" in str(why) and 2 not in b.inits
+
+
+def test_a_key_takes_only_indices_that_prove_their_endpoints() -> None:
+    key = RequestKey.new()
+    good = key.prove(1, RANK, "tcp://d:1", b"t1")
+    assert claims_mod.refusal(None, init(1), "anyone", b"") is None  # no key: no proof asked
+    assert claims_mod.refusal(key, init(1, proof=good), "tcp://d:1", b"t1") is None
+    kind, why = claims_mod.refusal(key, init(1), "tcp://d:1", b"t1") or (None, "")
+    assert kind is Refused.NO_PROOF and "without proof" in why and "tcp://d:1" in why
+    for args in (("tcp://evil:2", b"t1"), ("tcp://d:1", b"t-evil")):  # another endpoint
+        kind, why = claims_mod.refusal(key, init(1, proof=good), *args) or (None, "")
+        assert kind is Refused.BAD_PROOF and "does not match" in why
+    other = RequestKey.new().prove(1, RANK, "tcp://d:1", b"t1")
+    assert claims_mod.refusal(key, init(1, proof=other), "tcp://d:1", b"t1") is not None
+    # another id
+    assert claims_mod.refusal(key, init(2, proof=good), "tcp://d:1", b"t1") is not None
+
+
+def test_only_a_claimant_aborts_and_only_its_own_indices() -> None:
     c, b = Claims(), table()
-    got = admit(c, b, init(1), "a", 0.0, has_sender=False)
-    assert got.tomb is None and got.twice is None and got.refused is None and not got.repeat
-    assert b.sent(1, "a") and c.first(1, slot_of(RANK)) == "a"
-    again = admit(c, b, init(1), "a", 1.0, has_sender=False)
-    assert again.repeat and len(b.inits[1]) == 1  # the first set stands
-    live = admit(c, b, init(2), "a", 0.0, has_sender=True)  # a Sender takes it: no buffer
-    assert live.refused is None and 2 not in b.inits and c.is_peer(2, "a")
-
-
-def test_a_second_endpoint_fails_the_request_and_drops_what_waits() -> None:
-    c, b = Claims(), table()
-    admit(c, b, init(1), "a", 0.0, has_sender=False)
-    got = admit(c, b, init(1), "evil", 0.0, has_sender=False)
-    assert got.first == "a" and got.twice is not None and "two endpoints" in got.twice
-    assert 1 not in b.inits and not c.is_peer(1, "a")
-    tomb = b.tomb(1)
-    assert tomb is not None and tomb.reason == got.twice  # its Sender fails on arrival
-    later = admit(c, b, init(1), "a", 0.0, has_sender=False)
-    assert later.tomb is tomb and later.twice is None and 1 not in b.inits
-
-
-def test_with_a_live_sender_a_second_endpoint_leaves_the_tables_to_it() -> None:
-    c, b = Claims(), table()
-    admit(c, b, init(1), "a", 0.0, has_sender=True)
-    got = admit(c, b, init(1), "evil", 0.0, has_sender=True)
-    assert got.first == "a" and got.twice is not None and b.tomb(1) is None
-
-
-def test_refused_indices_make_no_claim() -> None:
-    c, b = Claims(), table(max_requests=1)
-    admit(c, b, init(1), "a", 0.0, has_sender=False)
-    got = admit(c, b, init(2), "a", 0.0, has_sender=False)
-    assert got.refused is not None and not c.is_peer(2, "a")
-
-
-def test_only_a_requests_peer_aborts_what_waits_for_its_sender() -> None:
-    c, b = Claims(), table()
-    admit(c, b, init(1), "a", 0.0, has_sender=False)
-    assert abort_from(c, b, 1, "stranger", "no", 0.0, has_sender=False) == (None, False)
-    assert b.tomb(1) is None and 1 in b.inits
-    assert abort_from(c, b, 9, "a", "no", 0.0, has_sender=False) == (None, False)
+    claims_mod.buffer(b, init(1), "rogue", b"", 0.0)
+    claims_mod.buffer(b, init(1), "real", b"", 0.0)
+    assert claims_mod.abort_from(c, b, 1, "stranger", "no", 0.0, has_sender=False) == (None, False)
+    assert claims_mod.abort_from(c, b, 9, "real", "no", 0.0, has_sender=False) == (None, False)
     assert b.tomb(9) is None  # an id nobody sent indices for leaves no tombstone
-    tomb, ours = abort_from(c, b, 1, "a", "aborted by decode", 0.0, has_sender=False)
-    assert tomb is None and ours and 1 not in b.inits and 1 in b.early
-    tomb, ours = abort_from(c, b, 1, "a", "again", 0.0, has_sender=False)
+    tomb, ours = claims_mod.abort_from(c, b, 1, "rogue", "aborted by rogue", 0.0, has_sender=False)
+    assert tomb is None and ours and b.tomb(1) is None  # the rogue's indices go; not the request
+    assert [x.endpoint for x in b.inits[1]] == ["real"]
+    tomb, ours = claims_mod.abort_from(c, b, 1, "real", "aborted by decode", 0.0, has_sender=False)
+    assert tomb is None and ours and 1 not in b.inits and 1 in b.early  # the last one
+    tomb, ours = claims_mod.abort_from(c, b, 1, "real", "again", 0.0, has_sender=False)
     assert tomb is not None and tomb.reason == "aborted by decode" and not ours
+    c.take(2, claims_mod.slot_of(RANK), "real")
+    assert claims_mod.abort_from(c, b, 2, "real", "x", 0.0, has_sender=True) == (None, True)
+    assert claims_mod.abort_from(c, b, 2, "rogue", "x", 0.0, has_sender=True) == (None, False)
 
 
 @pytest.mark.parametrize("mod", [backlog_mod, claims_mod])

@@ -77,13 +77,13 @@ def free_port() -> int:
 
 @pytest.fixture
 def srv() -> Iterator[BootstrapServer]:
-    with BootstrapServer("127.0.0.1", 0) as s:
+    with BootstrapServer("127.0.0.1", 0, insecure=True) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def shared_srv() -> Iterator[BootstrapServer]:
-    with BootstrapServer("127.0.0.1", 0) as s:
+    with BootstrapServer("127.0.0.1", 0, insecure=True) as s:
         yield s
 
 
@@ -276,7 +276,7 @@ def test_no_body_crashes_the_server(shared_srv: BootstrapServer, body: bytes) ->
 
 def test_capacity_limits_are_507_and_not_retried() -> None:
     limits = Limits(max_instances=1, max_ranks_per_instance=8, max_ranks=2)
-    with BootstrapServer("127.0.0.1", 0, limits=limits) as s:
+    with BootstrapServer("127.0.0.1", 0, limits=limits, insecure=True) as s:
         with pytest.raises(BootstrapRejected, match="limit of 8 per instance") as ei:
             register(s.url, rec(tp_size=4), retries=5, backoff=1.0)
         assert ei.value.status == 507
@@ -328,7 +328,7 @@ def test_registration_succeeds_when_the_server_starts_late() -> None:
     t = threading.Thread(target=worker)
     t.start()
     time.sleep(0.3)
-    with BootstrapServer("127.0.0.1", port) as s:
+    with BootstrapServer("127.0.0.1", port, insecure=True) as s:
         t.join(10)
         assert not t.is_alive()
         assert getattr(result[0], "created", None) is True
@@ -381,7 +381,7 @@ def test_5xx_is_retried_but_507_is_not(script: list[int], ok: bool, seen: int) -
 
 def test_clean_shutdown_leaves_no_thread_or_socket() -> None:
     before = set(threading.enumerate())
-    srv = BootstrapServer("127.0.0.1", 0)
+    srv = BootstrapServer("127.0.0.1", 0, insecure=True)
     with srv:
         register(srv.url, rec())
         assert len(threading.enumerate()) > len(before)
@@ -398,10 +398,10 @@ def test_clean_shutdown_leaves_no_thread_or_socket() -> None:
 
 
 def test_a_busy_port_fails_start_with_a_clear_error() -> None:
-    with BootstrapServer("127.0.0.1", 0) as a:
+    with BootstrapServer("127.0.0.1", 0, insecure=True) as a:
         before = set(threading.enumerate())
         with pytest.raises(BootstrapError, match=f"cannot listen on 127.0.0.1:{a.port}"):
-            BootstrapServer("127.0.0.1", a.port).start()
+            BootstrapServer("127.0.0.1", a.port, insecure=True).start()
         assert set(threading.enumerate()) == before
 
 

@@ -132,19 +132,59 @@ def test_stale_and_future_timestamps_are_refused() -> None:
     assert v.senders == 1
 
 
-def test_a_restarted_peer_is_accepted_and_its_old_run_is_not() -> None:
+def test_a_restarted_peer_is_accepted_and_each_run_keeps_its_own_sequence() -> None:
     first, v = _pair(now=T0, nonce=1)
     old = [first.sign(MSG, recipient=B.encode(), stream=Stream.DEALER, now=T0 + i)
-           for i in range(2)]
-    _check(v, old[0], now=T0)
+           for i in range(3)]
+    _check(v, old[1], now=T0)
     again = Signer(KEY, endpoint=A, now=T0 + 5, nonce=2)  # same endpoint, restarted
     new = again.sign(MSG, recipient=B.encode(), stream=Stream.DEALER, now=T0 + 5)
     _check(v, new, now=T0 + 5)  # its seq starts at 1 again: a new epoch
-    assert "earlier run" in _refused(v, old[1], now=T0 + 6)  # within the window, but old
-    same_ms = Signer(KEY, endpoint=A, now=T0 + 5, nonce=3)  # not a later start: refused
-    assert "earlier run" in _refused(v, same_ms.sign(MSG, recipient=B.encode(),
-                                                     stream=Stream.DEALER, now=T0 + 5),
-                                     now=T0 + 5)
+    assert "replayed" in _refused(v, new, now=T0 + 5)
+    assert "replayed" in _refused(v, old[0], now=T0 + 6)  # the old run's, seen past it
+    assert "replayed" in _refused(v, old[1], now=T0 + 6)
+    _check(v, old[2], now=T0 + 6)  # never delivered, within the window: accepted once
+    assert v.senders == 1
+
+
+def _silencer(now: float, *, start: float, nonce: int, seq: int) -> bytes:
+    """A frame naming A, signed with the deployment key by another holder of it, with
+    the epoch and sequence number it chose."""
+    from kvhandoff.session.control import auth
+    names = auth._names(A.encode(), B.encode(), Stream.DEALER)
+    signed = auth._SIGNED.pack(int(now * 1000), int(start * 1000), nonce, seq)
+    return MAGIC + auth._Mac(KEY).tag(names, signed, MSG) + signed + auth._bound(A.encode())
+
+
+@pytest.mark.parametrize("attack", ["future_epoch", "own_epoch_top_seq", "many_epochs"])
+def test_a_frame_under_another_peers_name_cannot_silence_it(attack: str) -> None:
+    """Finding "lower": a holder of the secret signs frames naming peer A. Before, one
+    frame with an epoch starting later than A's (or A's epoch with the top sequence
+    number) made every later frame of A a "replay" for the rest of the run. Now A's
+    frames keep verifying; the forger cannot even learn A's nonce towards B from the
+    frames A sends the forger."""
+    s, v = _pair(now=T0, nonce=7)
+    _check(v, s.sign(MSG, recipient=B.encode(), stream=Stream.DEALER, now=T0))
+    seen_by_c = s.sign(MSG, recipient=C.encode(), stream=Stream.DEALER, now=T0)  # to C
+    nonce_c = int.from_bytes(seen_by_c[4 + 16 + 16:4 + 16 + 24], "big")
+    assert nonce_c != s.nonce(B.encode(), Stream.DEALER)
+    if attack == "future_epoch":
+        forged = [_silencer(T0 + 1, start=T0 + 1, nonce=99, seq=1 << 62)]
+    elif attack == "own_epoch_top_seq":  # A's start and the nonce A uses towards C
+        forged = [_silencer(T0 + 1, start=T0, nonce=nonce_c, seq=(1 << 64) - 1)]
+    else:  # push A's own epoch out of B's memory
+        forged = [_silencer(T0 + 1, start=T0 + 1, nonce=n, seq=1) for n in range(20)]
+    for f in forged:
+        _check(v, f, now=T0 + 1)  # they verify: the forger holds the key
+    for i in range(3):
+        _check(v, s.sign(MSG, recipient=B.encode(), stream=Stream.DEALER, now=T0 + 2 + i),
+               now=T0 + 2 + i)
+    assert v.senders == 1
+
+
+def test_an_epoch_cannot_start_after_its_frame() -> None:
+    head = _silencer(T0, start=T0 + 1, nonce=1, seq=1)
+    assert "starts after" in _refused(Verifier(KEY, endpoint=B), head, now=T0)
 
 
 def test_the_replay_state_is_bounded_and_only_verified_frames_enter_it() -> None:
@@ -161,11 +201,22 @@ def test_the_replay_state_is_bounded_and_only_verified_frames_enter_it() -> None
     assert v.senders == 4
 
 
-def test_the_epoch_is_the_start_time_and_a_random_nonce() -> None:
+def test_the_epoch_is_the_start_time_and_a_nonce_per_recipient() -> None:
     a = Signer(KEY, endpoint=A, now=T0)
     b = Signer(KEY, endpoint=A, now=T0)
-    assert a.epoch[0] == b.epoch[0] == int(T0 * 1000)
-    assert a.epoch[1] != b.epoch[1]
+    assert a.start == b.start == int(T0 * 1000)
+    assert a.nonce(B.encode(), Stream.DEALER) != b.nonce(B.encode(), Stream.DEALER)
+    assert a.nonce(B.encode(), Stream.DEALER) != a.nonce(C.encode(), Stream.DEALER)
+    assert a.nonce(B.encode(), Stream.DEALER) != a.nonce(B.encode(), Stream.ROUTER)
+    assert a.nonce(B.encode(), Stream.DEALER) == a.nonce(B.encode(), Stream.DEALER)
+
+
+def test_the_epochs_kept_per_sender_are_bounded() -> None:
+    v = Verifier(KEY, endpoint=B, max_epochs=3)
+    for i in range(10):
+        _check(v, Signer(KEY, endpoint=A, now=T0 + i).sign(
+            MSG, recipient=B.encode(), stream=Stream.DEALER, now=T0 + i), now=T0 + i)
+    assert v.senders == 1 and len(v._seen[(A.encode(), Stream.DEALER.value)]) == 3
 
 
 def test_a_short_key_is_refused() -> None:

@@ -49,7 +49,7 @@ def test_the_bootstrap_server_counts_answers_by_route_and_reports_its_registry()
     rec = RankRecord(instance="m", dp_size=1, dp_rank=0, tp_size=2, tp_rank=0, pp_size=1,
                      pp_rank=0, control_endpoint="tcp://10.0.0.1:1", transport="tcp",
                      model_signature="0123abcd")
-    with BootstrapServer() as srv:
+    with BootstrapServer(insecure=True) as srv:
         assert _post(srv.url + "/v1/register", msgspec.json.encode(rec)) == 200
         assert _get(srv.url + "/v1/instances/m") == 503  # 1 of 2 ranks
         assert _get(srv.url + "/v1/instances/m") == 503

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvhandoff.binding import RequestKey
 from kvhandoff.integrations.vllm.layout import (
     GroupInfo,
     TensorInfo,
@@ -175,25 +176,31 @@ def test_a_prefill_request_hands_its_state_to_a_decode_request() -> None:
     d.update_state_after_alloc(dreq, _Blocks(([8], [4, 6, 7])), 9)
     recv = d.build_meta().recvs[0]
     assert (recv.remote_id, recv.blocks, recv.num_tokens) == ("p-1", ((8,), (4, 6, 7)), 9)
+    # the request's key: made by prefill, carried by the params, the same on both sides
+    assert recv.key == sends[0].key == params["kvh_key"] and RequestKey.from_hex(recv.key)
     assert dreq.kv_transfer_params is not None
     assert dreq.kv_transfer_params["do_remote_prefill"] is False
     p.update_finished({"p-1"}, None)
     assert not p.pending_push
 
 
-@pytest.mark.parametrize("change", ["prompt", "bootstrap", "tokens", "id"])
+@pytest.mark.parametrize("change", ["prompt", "bootstrap", "tokens", "id", "no_key", "bad_key"])
 def test_decode_refuses_state_that_is_not_for_its_tokens(change: str) -> None:
     prompt = list(range(10))
     params: dict[str, Any] = {
         "do_remote_prefill": True, "kvh_request_id": "p-1",
         "kvh_bootstrap": "http://127.0.0.1:1", "kvh_num_tokens": 9,
-        "kvh_prompt": prompt_digest(prompt, 9)}
+        "kvh_prompt": prompt_digest(prompt, 9), "kvh_key": RequestKey.new().hex()}
     if change == "prompt":
         prompt[3] = 99
     elif change == "bootstrap":
         params["kvh_bootstrap"] = "http://10.9.9.9:1"
     elif change == "tokens":
         params["kvh_num_tokens"] = 10  # leaves no token for decode's own step
+    elif change == "no_key":  # it could not claim the KV: computed here, not tried
+        del params["kvh_key"]
+    elif change == "bad_key":
+        params["kvh_key"] = "not hex"
     else:
         params["kvh_request_id"] = 5
     req = _Req("d-1", prompt, params)
@@ -207,7 +214,7 @@ def _loading(status: str) -> tuple[SchedulerSide, _Req]:
     prompt = list(range(10))
     params = {"do_remote_prefill": True, "kvh_request_id": "p-1",
               "kvh_bootstrap": "http://127.0.0.1:1", "kvh_num_tokens": 9,
-              "kvh_prompt": prompt_digest(prompt, 9)}
+              "kvh_prompt": prompt_digest(prompt, 9), "kvh_key": RequestKey.new().hex()}
     req = _Req("d-1", prompt, params, status=status)
     d.get_num_new_matched_tokens(req, 0)
     d.update_state_after_alloc(req, _Blocks(([8], [4, 6, 7])), 9)

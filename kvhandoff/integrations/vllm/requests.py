@@ -77,6 +77,7 @@ class SendReq:
     request_id: str
     blocks: tuple[tuple[int, ...], ...]  # per transferable group, from token 0
     num_tokens: int
+    key: str = ""  # the request's key (kvhandoff.binding), hex; "": none
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +91,7 @@ class RecvReq:
     blocks: tuple[tuple[int, ...], ...]  # per transferable group, the moving blocks
     prefix_tokens: int  # tokens decode already holds (a local prefix hit)
     num_tokens: int
+    key: str = ""  # the request's key (kvhandoff.binding), hex, as prefill made it
 
 
 @dataclass(slots=True)

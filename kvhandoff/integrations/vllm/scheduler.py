@@ -4,11 +4,15 @@ Prefill (``kv_producer``): a request that arrives with ``do_remote_decode`` is c
 :func:`~kvhandoff.integrations.vllm.requests.backoff` tokens (recurrent state must stop
 one token early), and when it finishes its blocks stay allocated (``delay_free``) until
 the worker reports the handoff over — success, failure or timeout alike. The response
-carries ``kv_transfer_params`` naming the kvhandoff request, the bootstrap and a digest of
-the prompt tokens the state belongs to.
+carries ``kv_transfer_params`` naming the kvhandoff request, the bootstrap, a digest of
+the prompt tokens the state belongs to, and the request's key (``kvh_key``, a fresh
+:class:`~kvhandoff.binding.RequestKey`): the proxy hands these to the decode it routes
+the request to, and only a decode that holds the key can claim the request's KV (any
+other is refused before a byte moves). A proxy must pass ``kv_transfer_params`` on
+untouched and to nobody else, as vLLM's own P/D proxies do.
 
-Decode (``kv_consumer``): a request that arrives with those params loads every prompt
-token but the backed-off tail asynchronously (vLLM's ``WAITING_FOR_REMOTE_KVS``); once
+Decode (``kv_consumer``): a request that arrives with those params (and a valid key) loads every
+prompt token but the backed-off tail asynchronously (vLLM's ``WAITING_FOR_REMOTE_KVS``); once
 vLLM allocated its blocks, the worker opens a Receiver into them. A decode request that
 is aborted while its blocks may still be written keeps them (``delay_free``) until the
 worker saw the receive released.
@@ -25,6 +29,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvhandoff.integrations import RequestKey
 from kvhandoff.integrations.vllm.requests import (
     GroupRule,
     RecvReq,
@@ -56,6 +61,7 @@ class _Pending:
     remote_id: str
     local_prefix: int
     num_tokens: int
+    key: str  # the request's key, hex
 
 
 class SchedulerSide:
@@ -107,7 +113,9 @@ class SchedulerSide:
         groups = [block_ids[g] for g in self.cfg.transfer_groups]
         blocks = tuple(tuple(pick(r, b, start=0, end=n)) for r, b in
                        zip(self.cfg.rules, groups, strict=True))
-        self._meta.sends.append(SendReq(request_id=rid, blocks=blocks, num_tokens=n))
+        key = RequestKey.new()
+        self._meta.sends.append(SendReq(request_id=rid, blocks=blocks, num_tokens=n,
+                                        key=key.hex()))
         self._sending.add(rid)
         return True, {
             "do_remote_prefill": True,
@@ -117,6 +125,7 @@ class SchedulerSide:
             "kvh_instance": self.cfg.instance,
             "kvh_num_tokens": n,
             "kvh_prompt": prompt_digest(request.prompt_token_ids or (), n),
+            "kvh_key": key.hex(),
         }
 
     # --- decode ----------------------------------------------------------------------
@@ -136,7 +145,8 @@ class SchedulerSide:
         count = n - num_computed
         if count <= 0:
             return 0, False
-        self._pending[rid] = _Pending(str(params["kvh_request_id"]), num_computed, n)
+        self._pending[rid] = _Pending(str(params["kvh_request_id"]), num_computed, n,
+                                      str(params["kvh_key"]))
         return count, True
 
     def _refuse(self, params: dict[str, Any], request: Any) -> str:
@@ -153,6 +163,10 @@ class SchedulerSide:
                     f"(backoff {self.cfg.backoff})")
         if params.get("kvh_prompt") != prompt_digest(prompt, n):
             return "the prompt tokens differ from those prefill computed (digest mismatch)"
+        try:
+            RequestKey.from_hex(params.get("kvh_key"))
+        except ValueError as e:
+            return f"kv_transfer_params carry no usable kvh_key (the request's key): {e}"
         return ""
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
@@ -167,7 +181,7 @@ class SchedulerSide:
         self._meta.recvs.append(RecvReq(
             request_id=request.request_id, remote_id=p.remote_id, bootstrap=self.cfg.bootstrap,
             instance=str(params.get("kvh_instance") or self.cfg.instance), blocks=mine,
-            prefix_tokens=p.local_prefix, num_tokens=p.num_tokens))
+            prefix_tokens=p.local_prefix, num_tokens=p.num_tokens, key=p.key))
         self._receiving.add(request.request_id)
         params["do_remote_prefill"] = False  # a re-entry (preemption) does not load again
 

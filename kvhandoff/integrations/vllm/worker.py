@@ -42,6 +42,7 @@ from kvhandoff.integrations import (
     LocalProtocolError,
     Outcome,
     Receiver,
+    RequestKey,
     Role,
     Sender,
     SessionConfig,
@@ -117,6 +118,11 @@ class _In:
     lists: tuple[tuple[int, ...], ...]
     groups: dict[str, int]
     aborted: bool = False  # decode's vLLM request ended: report it as a finished send
+
+
+def _key(text: str) -> RequestKey | None:
+    """The request's key the scheduler passed (hex; its scheduler checked it), or None."""
+    return RequestKey.from_hex(text) if text else None
 
 
 class WorkerSide:
@@ -202,7 +208,7 @@ class WorkerSide:
 
     def _send(self, s: SendReq) -> None:
         row = self.rows.take()
-        sender = Sender(self.agent, s.request_id)
+        sender = Sender(self.agent, s.request_id, key=_key(s.key))
         self._out[s.request_id] = _Out(sender, row, self._groups(s.blocks))
         if row is None:
             sender.abort("no free aux row on prefill (too many handoffs in flight)")
@@ -228,7 +234,8 @@ class WorkerSide:
         if row is None:
             log.error("request %s: no free aux row on decode; failing its load", r.request_id)
             return
-        rec = Receiver(self.agent, r.bootstrap, r.remote_id, instance=r.instance)
+        rec = Receiver(self.agent, r.bootstrap, r.remote_id, key=_key(r.key),
+                       instance=r.instance)
         entry.receiver = rec
         indices: dict[str, object | None] = {
             name: list(blocks) for name, blocks in zip(self.names, r.blocks, strict=True)}

@@ -163,9 +163,13 @@ def _kind(phase: str) -> str:
 
 def _config(instance: str, transport: str, in_band: bool = True, secret_file: str = ""
             ) -> SessionConfig:
+    """An agent's settings: the authenticated phases (``AUTHED``) hold the bench's secret,
+    the others none (``insecure``: the unauthenticated baseline they are compared with)."""
+    authed = instance.endswith(AUTHED) and bool(secret_file)
     return SessionConfig.from_env({}, instance=instance, transport=transport,
                                   in_band_status=in_band,
-                                  secret_file=secret_file if instance.endswith(AUTHED) else "",
+                                  secret_file=secret_file if authed else "",
+                                  insecure=not authed,
                                   metrics=not instance.endswith(UNMETERED),
                                   transfer_timeout=TIMEOUT,
                                   waiting_timeout=TIMEOUT, indices_timeout=TIMEOUT,
@@ -423,7 +427,8 @@ def run(quick: bool, transport: str = "tcp", in_band: bool = True, *, auth: bool
     out: dict[str, Any] = {"machine": platform.platform(), "python": sys.version.split()[0],
                            "cpus": os.cpu_count(), "transport": transport, "quick": quick,
                            "in_band_status": in_band}
-    with BootstrapServer() as srv, tempfile.TemporaryDirectory() as tmp:
+    # the registry takes both the authenticated and the open phases' ranks
+    with BootstrapServer(insecure=True) as srv, tempfile.TemporaryDirectory() as tmp:
         secret = ""
         if auth or only_auth:
             from kvhandoff.secret import write_secret_file

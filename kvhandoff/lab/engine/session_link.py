@@ -18,8 +18,17 @@ engine call                 session call
 
 The two halves are separate classes so a prefill process and a decode process each
 hold only their own (:class:`PrefillLink`, :class:`DecodeLink`); :class:`SessionLink`
-joins them for one process. Bytes per component are counted on decode from its own
-destination lists (each destination item is written exactly once).
+joins them for one process.
+
+Each request is bound to its decode (:mod:`kvhandoff.binding`) as an engine whose router
+gives both sides only the request's id does it (SGLang's rooms): its key is derived from
+the id under ``router_secret``, a secret the run's driver hands both halves (the demo
+draws one per run; :class:`SessionLink` one per link), else under the deployment secret
+(:meth:`~kvhandoff.binding.RequestKey.for_room`). Only when the deployment runs
+``insecure`` and no router secret is given do requests go unbound.
+
+Bytes per component are counted on decode from its own destination lists (each
+destination item is written exactly once).
 
 ``transport`` names any transport of :mod:`kvhandoff.transport.registry` (``tcp``,
 ``shm``, ``mooncake``, ``nixl``, …); each rank gets its own instance, opened as every
@@ -32,8 +41,9 @@ its ``allocate`` (shm) gets them: decode relocates each rank's pools into that m
 
 from __future__ import annotations
 
+import secrets
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Self
 
@@ -42,6 +52,7 @@ from kvhandoff.integrations import (
     Agent,
     How,
     Receiver,
+    RequestKey,
     Role,
     Sender,
     SessionConfig,
@@ -99,21 +110,36 @@ def _config(config: SessionConfig | None, transport: str) -> SessionConfig:
         transport=transport)
 
 
+def request_keys(router_secret: bytes | None, config: SessionConfig | None = None
+                 ) -> Callable[[int], RequestKey | None]:
+    """How a link keys request ``rid``: under ``router_secret``, else under the deployment
+    secret of ``config`` (default: the environment's settings), else (insecure) not at all."""
+    if router_secret is not None:
+        return lambda rid: RequestKey.derive(router_secret, rid)
+    secret = (config if config is not None else SessionConfig.from_env()).secret()
+    if secret is None:
+        return lambda rid: None
+    return lambda rid: RequestKey.for_room(rid, secret)
+
+
 def _check(status: Status, what: str, error: SessionError | None) -> None:
     if status is not Status.SUCCESS:
         raise LinkError(f"{what} ended {status.value}: {error}")
 
 
 class PrefillLink:
-    """The prefill half: one agent per prefill rank. Not thread-safe per request."""
+    """The prefill half: one agent per prefill rank. Not thread-safe per request.
+    ``router_secret``: see the module docstring (the decode half's must be the same)."""
 
     def __init__(self, ranks: Sequence[Endpoint], bootstrap_url: str, *,
                  transport: str = "tcp", timeout: float = 60.0,
-                 config: SessionConfig | None = None) -> None:
+                 config: SessionConfig | None = None,
+                 router_secret: bytes | None = None) -> None:
         self.timeout = timeout
         self._senders: dict[tuple[int, int], Sender] = {}
         self.agents: list[Agent] = []
         cfg = _config(config, transport)
+        self._key = request_keys(router_secret, cfg)
         try:
             for i, r in enumerate(ranks):
                 self.agents.append(open_rank(r.layout, cfg, role=Role.PREFILL,
@@ -124,7 +150,7 @@ class PrefillLink:
             raise
 
     def start(self, rid: int, prefill_rank: int, num_pages: int, aux_row: int) -> int:
-        s = Sender(self.agents[prefill_rank], rid)
+        s = Sender(self.agents[prefill_rank], rid, key=self._key(rid))
         self._senders[(rid, prefill_rank)] = s
         s.init(num_pages, aux_row)
         if s.wait_bootstrapped(self.timeout) is Status.FAILED:
@@ -155,14 +181,17 @@ class PrefillLink:
 
 
 class DecodeLink:
-    """The decode half: one agent per decode rank. Not thread-safe per request."""
+    """The decode half: one agent per decode rank. Not thread-safe per request.
+    ``router_secret``: see the module docstring (the prefill half's must be the same)."""
 
     def __init__(self, ranks: Sequence[Endpoint], bootstrap_url: str, *,
                  transport: str = "tcp", timeout: float = 60.0,
-                 config: SessionConfig | None = None) -> None:
+                 config: SessionConfig | None = None,
+                 router_secret: bytes | None = None) -> None:
         self.url, self.timeout = bootstrap_url, timeout
         self.agents: list[Agent] = []
         cfg = _config(config, transport)
+        self._key = request_keys(router_secret, cfg)
         try:
             for i, r in enumerate(ranks):
                 t = decode_transport(r, cfg, f"decode-tp{i}")
@@ -181,7 +210,7 @@ class DecodeLink:
                    if v.positions is not None else v.items)
             for name, v in lists.items() if name != agent.aux_name}
         aux_row = int(lists[agent.aux_name].items[0]) if agent.aux_name else None
-        r = Receiver(agent, self.url, rid)
+        r = Receiver(agent, self.url, rid, key=self._key(rid))
         r.init(indices, aux_row, decode_prefix_len=prefix_len)
         self._receivers[rid].append((r, landed_bytes(agent.layout, lists)))
 
@@ -206,11 +235,12 @@ class SessionLink:
     def __init__(self, prefill: Sequence[Endpoint], decode: Sequence[Endpoint],
                  bootstrap_url: str, *, transport: str = "tcp", timeout: float = 60.0,
                  config: SessionConfig | None = None) -> None:
+        routed = secrets.token_bytes(32)  # this link routes every request: its own secret
         self.decode = DecodeLink(decode, bootstrap_url, transport=transport, timeout=timeout,
-                                 config=config)
+                                 config=config, router_secret=routed)
         try:
             self.prefill = PrefillLink(prefill, bootstrap_url, transport=transport,
-                                       timeout=timeout, config=config)
+                                       timeout=timeout, config=config, router_secret=routed)
         except BaseException:
             self.decode.close()
             raise

@@ -18,7 +18,9 @@
   ``connect_delay`` holds every later ``connect`` (a re-dial) that long; ``dialing`` is
   set when one starts, so a test can act while a re-dial is in flight.
 
-All keep ``name = "tcp"``, so they pair with a plain tcp peer at handshake.
+All keep ``name = "tcp"``, so they pair with a plain tcp peer at handshake, and are keyed
+as an agent of the default deployment keys its own (the user's default secret; pass
+``data_secret`` otherwise).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import threading
 import time
 
 from kvhandoff.plan.model import Plan, TensorPlan
+from kvhandoff.session.config import SessionConfig
 from kvhandoff.transport.base import Handle, Peer
 from kvhandoff.transport.errors import TransferFailed, TransportError
 from kvhandoff.transport.tcp.client import TcpPeer
@@ -39,9 +42,14 @@ def first_entry(plan: Plan, component: str) -> TensorPlan | None:
     return next((e for e in plan.entries if e.component == component and e.nbytes), None)
 
 
+def _keyed(options: dict[str, object]) -> dict[str, object]:
+    """``options``, with the default deployment's data key unless one is given."""
+    return {"data_secret": SessionConfig().data_key(), **options}
+
+
 class DelayedTcp(TcpTransport):
     def __init__(self, *, delay: float = 0.3, **options: object) -> None:
-        super().__init__(**options)  # type: ignore[arg-type]
+        super().__init__(**_keyed(options))  # type: ignore[arg-type]
         self.delay = delay
 
     def submit(self, peer: Peer, plan: Plan, *, notice: bytes | None = None) -> Handle:
@@ -70,7 +78,7 @@ class DelayedTcp(TcpTransport):
 
 class CorruptingTcp(TcpTransport):
     def __init__(self, *, component: str, **options: object) -> None:
-        super().__init__(**options)  # type: ignore[arg-type]
+        super().__init__(**_keyed(options))  # type: ignore[arg-type]
         self.component = component
         self.corrupted = 0
 
@@ -114,7 +122,7 @@ class SourceFlippingTcp(TcpTransport):
 class FailingTcp(TcpTransport):
     def __init__(self, *, fail_to: set[bytes] | None = None, close_peer: bool = False,
                  **options: object) -> None:
-        super().__init__(**options)  # type: ignore[arg-type]
+        super().__init__(**_keyed(options))  # type: ignore[arg-type]
         self.fail_to: set[bytes] = set(fail_to or ())
         self.close_peer = close_peer
         self.failed = 0  # writes failed on purpose

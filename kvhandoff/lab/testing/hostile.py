@@ -8,6 +8,7 @@
   identity, as a spoofing process on the same host can.
 * :func:`hello_as`: a decode agent's own Hello, with another control and transport
   endpoint (what a spoofed Hello carries).
+* :func:`prefill_desk`: a rig's prefill desk, whose tables the tests read.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from kvhandoff.lab.testing.rig import DecodeSide, Rig
 from kvhandoff.plan.execute import HostMemory
 from kvhandoff.protocol import Hello, Message, decode_message, encode_message
 from kvhandoff.session import Agent
+from kvhandoff.session.rank.prefill_desk import PrefillDesk
 from kvhandoff.transport.framing.wire import HEADER, Header, Kind, Status
 
 
@@ -113,6 +115,13 @@ def closed_by_peer(sock: socket.socket) -> bool:
         return sock.recv(1) == b""
     except ConnectionError:
         return True
+
+
+def prefill_desk(rig: Rig) -> PrefillDesk:
+    """The rig's prefill desk (its backlog, claims and decode peers)."""
+    desk = rig.prefill._desk
+    assert isinstance(desk, PrefillDesk)
+    return desk
 
 
 def hello_as(decode: Agent, *, control_endpoint: str, transport_endpoint: bytes) -> Hello:

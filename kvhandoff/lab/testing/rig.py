@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from kvhandoff.binding import RequestKey
 from kvhandoff.lab.testing.handoff import (
     AUX,
     DECODE,
@@ -35,7 +36,6 @@ from kvhandoff.lab.testing.handoff import (
     request_of,
 )
 from kvhandoff.layout import Layout
-from kvhandoff.secret import data_key
 from kvhandoff.session import Agent, Receiver, Sender, SessionConfig, Status
 from kvhandoff.transport import Transport, create_transport
 
@@ -106,19 +106,22 @@ class Rig:
         return RequestPlan(rid=rid, num_tokens=num_tokens, block=block, chunk_pages=chunk_pages,
                            seed=block, **kw)
 
-    def receiver(self, rp: RequestPlan, *, init: bool = True,
-                 on: DecodeSide | None = None) -> Receiver:
-        """A Receiver on the rig's decode agent (or on ``on``), init'ed unless told not."""
+    def receiver(self, rp: RequestPlan, *, init: bool = True, on: DecodeSide | None = None,
+                 key: RequestKey | None = None) -> Receiver:
+        """A Receiver on the rig's decode agent (or on ``on``), init'ed unless told not;
+        ``key``: the request's (:mod:`kvhandoff.binding`)."""
         agent, dst = (self.decode, self.dst) if on is None else (on.agent, on.dst)
-        r = Receiver(agent, self.url, rp.rid)
+        r = Receiver(agent, self.url, rp.rid, key=key)
         if init:
             lists, row = decode_lists(request_of(self.scn, rp, self.src, dst), dst)
             r.init(lists, row, decode_prefix_len=rp.prefix_len)
         return r
 
-    def sender(self, rp: RequestPlan) -> tuple[Sender, list[np.ndarray], dict[str, object]]:
-        """A Sender, init'ed, with its aux row packed; returns its chunks and state."""
-        s = Sender(self.prefill, rp.rid)
+    def sender(self, rp: RequestPlan, *, key: RequestKey | None = None
+               ) -> tuple[Sender, list[np.ndarray], dict[str, object]]:
+        """A Sender, init'ed, with its aux row packed; returns its chunks and state.
+        ``key``: the request's (:mod:`kvhandoff.binding`)."""
+        s = Sender(self.prefill, rp.rid, key=key)
         req = request_of(self.scn, rp, self.src, self.dst)
         pages = prefill_pages(self.topo, rp, req, kv_name(self.src))
         s.init(len(pages), rp.block + 1)
@@ -134,10 +137,10 @@ class Rig:
             last = i == len(chunks) - 1
             s.send(c, state_indices=state if last else None, last=last)
 
-    def handoff(self, rp: RequestPlan, *, on: DecodeSide | None = None
-                ) -> tuple[Sender, Receiver]:
-        r = self.receiver(rp, on=on)
-        s, chunks, state = self.sender(rp)
+    def handoff(self, rp: RequestPlan, *, on: DecodeSide | None = None,
+                key: RequestKey | None = None) -> tuple[Sender, Receiver]:
+        r = self.receiver(rp, on=on, key=key)
+        s, chunks, state = self.sender(rp, key=key)
         self.send_all(s, chunks, state)
         assert r.wait(10) is Status.SUCCESS, r.reason
         assert s.wait(10) is Status.SUCCESS, s.reason
@@ -154,7 +157,7 @@ class Rig:
 
     def _tcp(self) -> Transport:
         """The prefill agent's transport, keyed with the deployment secret if it has one."""
-        return create_transport("tcp", data_secret=data_key(self.prefill_cfg.secret_file))
+        return create_transport("tcp", data_secret=self.prefill_cfg.data_key())
 
     def close(self) -> None:
         for d in self.decodes[1:]:

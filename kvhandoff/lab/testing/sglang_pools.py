@@ -333,7 +333,24 @@ def _await_file(path: Path, timeout: float) -> bool:
 def _die(case: Case, what: str) -> None:
     """This side dies here, as a killed process would (no clean-up of any kind)."""
     Path(case.work, f"{what}.marker").touch()
+    _ended_here(case)
     os._exit(3)
+
+
+def _ended_here(case: Case) -> None:
+    Path(case.work, f"ended-{case.role}{case.tp_rank}").touch()
+
+
+def _all_ended(case: Case) -> None:
+    """Wait until every rank of the handoff has its answer (or died): a side that closed
+    its transport the moment it was done could cut off an acknowledgement the other side
+    still awaits (decode learns of the last bytes in band, before prefill's write
+    completes), and a real engine does not shut down between two requests."""
+    work = Path(case.work)
+    ranks = int((work / "ranks").read_text())
+    deadline = time.monotonic() + case.timeout
+    while len(list(work.glob("ended-*"))) < ranks and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _ended(side: Any, state: int) -> tuple[str, int]:
@@ -487,8 +504,8 @@ def run_rank(case: Case) -> Result:
     mgr, _keep, server = _manager(case, sa)
     try:
         result = (run_prefill if case.role == "prefill" else run_decode)(case, mgr)
-        if case.role == "prefill":  # serve until decode has its answer
-            _await_file(Path(case.work, "decode.done"), case.timeout)
+        _ended_here(case)
+        _all_ended(case)  # serve until every side has its answer
     finally:
         mgr.close()
         if server is not None:
@@ -516,16 +533,13 @@ def _fork(case: Case) -> int:
 
 def main(argv: list[str]) -> int:
     """``CASES_JSON``: prepare once, fork one process per rank (a list of :class:`Case`),
-    wait for them (decode's first: then prefill may stop serving)."""
+    wait for them."""
     cases = msgspec.json.decode(argv[0].encode(), type=list[Case])
     _prepare()
-    pids = [(c, _fork(c)) for c in cases]
-    for role in ("decode", "prefill"):
-        for c, pid in pids:
-            if c.role == role:
-                os.waitpid(pid, 0)
-        if role == "decode" and cases:
-            Path(cases[0].work, "decode.done").touch()
+    if cases:
+        Path(cases[0].work, "ranks").write_text(str(len(cases)))
+    for pid in [_fork(c) for c in cases]:
+        os.waitpid(pid, 0)
     return 0
 
 

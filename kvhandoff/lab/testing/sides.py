@@ -127,7 +127,9 @@ def config_of(scn: Scenario) -> SessionConfig:
 
 
 def _transport(scn: Scenario, role: str = "") -> Transport:
-    opts: dict[str, Any] = ({"io_timeout": 5.0, "connect_timeout": 5.0}
+    """The transport of a side: keyed as its agent keys its own (``config_of``)."""
+    opts: dict[str, Any] = ({"io_timeout": 5.0, "connect_timeout": 5.0,
+                             "data_secret": config_of(scn).data_key()}
                             if scn.transport != "memory" else {})
     opts.update(scn.transport_options)
     delay = scn.faults.get(f"{role}_write_delay")

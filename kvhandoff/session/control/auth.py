@@ -36,20 +36,34 @@ an unauthenticated deployment sends; :meth:`Signer.seal` / :meth:`Verifier.open`
   answering our DEALER). Each stream is in order; the two are not with each other.
 * ``ts_ms``: the sender's wall clock. A frame more than :data:`WINDOW_S` from the
   receiver's clock is refused (a stale replay, or clocks out of sync: keep them in NTP).
-* ``epoch``: the sender's channel start (wall-clock ms) and a random 64-bit nonce;
-  ``seq``: one counter per channel. Per (sender, stream) the receiver keeps the epoch
-  and the highest seq accepted: a seq not above it is a replay; a new epoch is accepted
-  only if it started after the one held (the peer restarted), never an older one.
+* ``epoch``: the sender's channel start (wall-clock ms) and a 64-bit nonce drawn for
+  this recipient and stream (a peer learns only the nonces of the frames sent to it);
+  ``seq``: one counter per channel. Per (sender, stream) the receiver keeps the highest
+  seq accepted in each of the last :data:`MAX_EPOCHS` epochs it heard: a seq not above
+  it is a replay. An epoch may not start after its own frame's timestamp.
 * The tag is truncated to 128 bits (HMAC-SHA-256-128, as IPsec uses, RFC 4868): a
   forgery can only be tried online, one message per guess, so 2^-128 per try is as out
   of reach as 2^-256, and 16 bytes fewer per tiny message.
 
 Only a frame whose MAC verified touches the replay state, so strangers cannot fill or
 evict it; it holds at most :data:`MAX_SENDERS` (sender, stream) pairs, the least
-recently heard forgotten first (a forgotten sender's next frame starts afresh, so one of
-its frames from the last :data:`WINDOW_S` could then be replayed once; only key holders
-can make us forget). An agent that restarts at the same endpoint within the window may
-be handed frames captured on their way to its previous run.
+recently heard forgotten first, and per pair at most :data:`MAX_EPOCHS` epochs, the
+least recently heard forgotten first (a forgotten sender's or epoch's next frame starts
+afresh, so one of its frames from the last :data:`WINDOW_S` could then be replayed once;
+only key holders can make us forget). An agent that restarts at the same endpoint within
+the window may be handed frames captured on their way to its previous run.
+
+**Why every epoch, not the newest** (finding "lower", a frame signed under another
+peer's name): every holder of the deployment secret can sign a frame naming any sender.
+Had the receiver kept only the newest epoch per sender, one frame naming peer X with an
+epoch that starts in the future (or with X's own epoch and the largest sequence number)
+would have made every later frame of X look like a replay: X's link silenced for the
+run. Now such a frame only adds an epoch of its own; X's epoch and its sequence numbers
+are untouched, and X's nonce towards this receiver is not in any frame another peer
+gets. (A holder of the secret can still *speak* as X; what it may then do to a request
+is bounded by the request's own checks, e.g. :mod:`kvhandoff.binding`.) The price: a
+frame X sent in an earlier run, never delivered and replayed within the window, is
+accepted once.
 """
 
 from __future__ import annotations
@@ -61,9 +75,9 @@ import hmac
 import secrets
 import struct
 import threading
-from dataclasses import dataclass
 
-__all__ = ["HEADER_BYTES", "MAGIC", "MAX_ENDPOINT_BYTES", "MAX_SENDERS", "TAG_BYTES",
+__all__ = ["HEADER_BYTES", "MAGIC", "MAX_ENDPOINT_BYTES", "MAX_EPOCHS", "MAX_SENDERS",
+           "TAG_BYTES",
            "UNAUTHENTICATED",
            "WINDOW_S", "Signer", "Stream", "Unauthenticated", "Verifier", "is_signed"]
 
@@ -78,6 +92,9 @@ WINDOW_S = 120.0
 """A frame's timestamp may be this far from the receiver's clock, either way."""
 MAX_SENDERS = 4096
 """(sender, stream) pairs whose replay state is kept."""
+MAX_EPOCHS = 8
+"""Epochs (runs of a sender's channel, and any a key holder made up under its name) whose
+highest sequence number is kept per (sender, stream)."""
 UNAUTHENTICATED = ("control message not authenticated: is KVHANDOFF_SECRET_FILE the same "
                    "on both sides?")
 """All an agent tells a peer whose message it refused (nothing about why)."""
@@ -147,7 +164,8 @@ class Signer:
     (the caller signs each stream's frames in the order they leave).
 
     ``endpoint``: the channel's own endpoint (its ``ROUTING_ID``); ``now``: wall-clock
-    seconds when the channel starts (the epoch); ``nonce``: tests only."""
+    seconds when the channel starts (the epoch's start); ``nonce``: seeds the epoch
+    nonces, tests only (random by default)."""
 
     def __init__(self, key: bytes, *, endpoint: str, now: float, nonce: int | None = None
                  ) -> None:
@@ -155,11 +173,21 @@ class Signer:
         self._me = endpoint.encode()
         if len(self._me) > MAX_ENDPOINT_BYTES:
             raise ValueError(f"endpoint of {len(self._me)} B (at most {MAX_ENDPOINT_BYTES})")
-        self.epoch = (_ms(now), secrets.randbits(64) if nonce is None else nonce & _U64)
+        self.start = _ms(now)
+        seed = secrets.randbits(64) if nonce is None else nonce & _U64
+        self._nonces = hmac.new(seed.to_bytes(8, "big"), digestmod=hashlib.sha256)
         self._seq = 0
         self._lock = threading.Lock()
         self._tail = _bound(self._me)
-        self._names: dict[tuple[bytes, Stream], bytes] = {}  # per recipient: MAC prefix
+        # per (recipient, stream): the MAC's name prefix and this epoch's nonce there
+        self._names: dict[tuple[bytes, Stream], tuple[bytes, int]] = {}
+
+    def nonce(self, recipient: bytes, stream: Stream) -> int:
+        """The epoch nonce of frames to ``recipient`` on ``stream``: drawn per recipient
+        (a keyed hash of its name), so no peer learns the nonce of another's frames."""
+        h = self._nonces.copy()
+        h.update(_bound(recipient) + stream.value)
+        return int.from_bytes(h.digest()[:8], "big")
 
     def seal(self, payload: bytes, *, recipient: bytes, stream: Stream, now: float) -> bytes:
         """The frame to send: :meth:`sign`'s header, then ``payload``."""
@@ -171,20 +199,15 @@ class Signer:
         with self._lock:
             self._seq += 1
             seq = self._seq
-            names = self._names.get((recipient, stream))
-            if names is None:
+            known = self._names.get((recipient, stream))
+            if known is None:
                 if len(self._names) >= MAX_SENDERS:
                     self._names.clear()
-                names = self._names[(recipient, stream)] = _names(self._me, recipient, stream)
-        signed = _SIGNED.pack(_ms(now), self.epoch[0], self.epoch[1], seq)
+                known = self._names[(recipient, stream)] = (
+                    _names(self._me, recipient, stream), self.nonce(recipient, stream))
+        names, nonce = known
+        signed = _SIGNED.pack(_ms(now), self.start, nonce, seq)
         return MAGIC + self._mac.tag(names, signed, payload) + signed + self._tail
-
-
-@dataclass(slots=True)
-class _Seen:
-    start: int  # epoch start (ms)
-    nonce: int
-    seq: int  # highest accepted
 
 
 class Verifier:
@@ -193,13 +216,17 @@ class Verifier:
     ``endpoint``: the channel's own endpoint (the recipient every frame to it names)."""
 
     def __init__(self, key: bytes, *, endpoint: str, window: float = WINDOW_S,
-                 max_senders: int = MAX_SENDERS) -> None:
+                 max_senders: int = MAX_SENDERS, max_epochs: int = MAX_EPOCHS) -> None:
         self._mac = _Mac(key)
         self._me = endpoint.encode()
         self.window = window
         self.max_senders = max_senders
+        self.max_epochs = max_epochs
         self._lock = threading.Lock()
-        self._seen: collections.OrderedDict[tuple[bytes, bytes], _Seen] = \
+        # (sender, stream) → its epochs (start, nonce) → the highest seq accepted in each;
+        # both least recently heard first
+        self._seen: collections.OrderedDict[tuple[bytes, bytes],
+                                            collections.OrderedDict[tuple[int, int], int]] = \
             collections.OrderedDict()
 
     def open(self, frame: bytes, *, stream: Stream, now: float, sender: bytes | None = None
@@ -237,25 +264,28 @@ class Verifier:
             raise Unauthenticated(f"timestamp {skew:+.0f} s from this agent's clock, outside "
                                   f"the ±{self.window:g} s window (a replay, or clocks out "
                                   f"of sync)")
-        key = (named, stream.value)
+        if start > ts:
+            raise Unauthenticated("its channel starts after the frame was signed")
+        self._remember((named, stream.value), (start, nonce), seq)
+        return named
+
+    def _remember(self, key: tuple[bytes, bytes], epoch: tuple[int, int], seq: int) -> None:
+        """Accept ``seq`` of ``epoch`` from ``key`` (sender, stream), or raise if it is
+        not above the highest seen there. Bounded: see the module docstring."""
         with self._lock:
-            seen = self._seen.get(key)
-            if seen is None:
-                self._seen[key] = _Seen(start, nonce, seq)
+            epochs = self._seen.get(key)
+            if epochs is None:
+                epochs = self._seen[key] = collections.OrderedDict()
                 while len(self._seen) > self.max_senders:
                     self._seen.popitem(last=False)
-                return named
-            if (start, nonce) == (seen.start, seen.nonce):
-                if seq <= seen.seq:
-                    raise Unauthenticated(f"replayed (sequence {seq}, already at {seen.seq})")
-            elif start <= seen.start:
-                raise Unauthenticated("from an earlier run of that peer than the one heard "
-                                      "from since (a replay)")
-            else:
-                seen.start, seen.nonce = start, nonce  # the peer restarted
-            seen.seq = seq
+            last = epochs.get(epoch)
+            if last is not None and seq <= last:
+                raise Unauthenticated(f"replayed (sequence {seq}, already at {last})")
+            epochs[epoch] = seq
+            epochs.move_to_end(epoch)
+            while len(epochs) > self.max_epochs:
+                epochs.popitem(last=False)
             self._seen.move_to_end(key)
-        return named
 
     @property
     def senders(self) -> int:

@@ -3,9 +3,11 @@
 Sockets (all in this channel's own ``zmq.Context``, terminated by :meth:`close`):
 
 * one **ROUTER** bound at ``tcp://host:port``: every message a peer sends us arrives
-  here. Without a key, peers' DEALERs carry their own control endpoint as
-  ``ROUTING_ID``, so the identity tells who spoke (:class:`Origin`); with one, the
-  ROUTER names each connection and the verified header tells who spoke.
+  here. Its connections are capped below the descriptor limit, and running out of
+  descriptors neither spins nor floods the log (:mod:`~kvhandoff.session.control.door`).
+  Without a key, peers' DEALERs carry their own control endpoint as ``ROUTING_ID``,
+  so the identity tells who spoke (:class:`Origin`); with one, the ROUTER names each
+  connection and the verified header tells who spoke.
 * one **DEALER** per peer endpoint we send to, connected lazily, ``ROUTING_ID`` = our
   endpoint (none with a key). Replies a peer sends back on its ROUTER (heartbeat acks,
   error replies) arrive on these and are handled like any other message.
@@ -82,6 +84,7 @@ from kvhandoff.session.control.auth import (
     Verifier,
     is_signed,
 )
+from kvhandoff.session.control.door import ControlDoor
 from kvhandoff.transport.throttle import Throttle
 
 log = logging.getLogger("kvhandoff.session.control.channel")
@@ -133,7 +136,9 @@ class ControlChannel:
         self.stats: collections.Counter[str] = collections.Counter()
         self._ctx = zmq.Context()
         self._router: zmq.Socket[bytes] | None = None
+        self._door: ControlDoor | None = None
         self._wake_r, self._wake_w = -1, -1
+        self._fd_lock = threading.Lock()  # no write to, or close of, a wake fd once closed
         try:
             router = self._ctx.socket(zmq.ROUTER)
             self._router = router
@@ -142,11 +147,8 @@ class ControlChannel:
             router.setsockopt(zmq.MAXMSGSIZE, 2 * MAX_MESSAGE_BYTES)
             router.setsockopt(zmq.RCVHWM, _HWM)
             router.setsockopt(zmq.SNDHWM, _HWM)
-            bind_host = "*" if host in ("0.0.0.0", "") else host
-            if port:
-                router.bind(f"tcp://{bind_host}:{port}")
-            else:
-                port = router.bind_to_random_port(f"tcp://{bind_host}")
+            self._door = ControlDoor(self._ctx, router, name=name)
+            port = self._door.bind("*" if host in ("0.0.0.0", "") else host, port)
             self.endpoint = f"tcp://{dial_host}:{port}"
             self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
             if key is not None:
@@ -256,9 +258,11 @@ class ControlChannel:
             self._wake()
 
     def _wake(self) -> None:
-        # A full pipe already wakes the thread; dropping this byte loses nothing.
-        with contextlib.suppress(BlockingIOError, OSError):
-            os.write(self._wake_w, b"\0")
+        # A full pipe already wakes the thread; dropping this byte loses nothing. Under the
+        # lock: once teardown closed the pipe its number may be another socket's.
+        with self._fd_lock, contextlib.suppress(BlockingIOError, OSError):
+            if self._wake_w >= 0:
+                os.write(self._wake_w, b"\0")
 
     def _open_dealer(self, endpoint: str) -> _Dealer:
         """A DEALER to ``endpoint`` (caller holds the dealer lock)."""
@@ -285,10 +289,14 @@ class ControlChannel:
     # --- the I/O thread ------------------------------------------------------------
 
     def _run(self) -> None:
-        assert self._router is not None
+        assert self._router is not None and self._door is not None
+        door = self._door
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(door.zap, zmq.POLLIN)
+        if door.monitor is not None:
+            poller.register(door.monitor, zmq.POLLIN)
         watched: dict[int, _Dealer] = {}  # DEALER descriptors in the poller
         next_tick = time.monotonic() + self._tick
         try:
@@ -299,11 +307,14 @@ class ControlChannel:
                         self._read_router()
                     elif sock == self._wake_r:
                         self._drain_wake()
+                    elif sock is door.zap or sock is door.monitor:
+                        self._at_door(sock is door.zap)
                 self._read_dealers()  # cheap: a few EVENTS checks; covers lost edges
                 self._drained()
                 self._flush()
                 self._sync(poller, watched)
                 now = time.monotonic()
+                door.on_tick(now)
                 if now >= next_tick:
                     next_tick = now + self._tick
                     self._guard("tick", functools.partial(self._on_tick, now))
@@ -321,6 +332,15 @@ class ControlChannel:
                     d.sock.close(linger=0)
                 self._dealers.clear()
                 self._retired.clear()
+
+    def _at_door(self, zap: bool) -> None:
+        """Connections knocking (ZAP) or coming and going (monitor): see door.py."""
+        door = self._door
+        assert door is not None
+        now = time.monotonic()
+        door.on_zap(now) if zap else door.on_monitor(now)
+        self.stats["accept_failed"] = door.accept_failures
+        self.stats["connections_refused"] = door.refused
 
     def in_io_thread(self) -> bool:
         """Whether the caller is this channel's I/O thread (where handlers run)."""
@@ -484,14 +504,18 @@ class ControlChannel:
             log.exception("control handler for %s failed", what)
 
     def _teardown(self) -> None:
+        if self._door is not None:
+            self._door.close()
+            self._door = None
         if self._router is not None:
             self._router.close(linger=0)
             self._router = None
-        for fd in (self._wake_r, self._wake_w):
+        with self._fd_lock:  # taken once: a second teardown must not close a reused number
+            fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1
+        for fd in fds:
             if fd >= 0:
                 with contextlib.suppress(OSError):
                     os.close(fd)
-        self._wake_r = self._wake_w = -1
         self._ctx.term()
 
 

@@ -156,6 +156,12 @@ class Agent:
         return self._io.control.endpoint
 
     @property
+    def transport_endpoint(self) -> bytes:
+        """What a peer's transport dials to reach this agent (its Hello names it)."""
+        assert self._io is not None
+        return self._io.transport_endpoint
+
+    @property
     def closed(self) -> bool:
         return self._closed
 

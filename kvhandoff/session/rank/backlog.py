@@ -12,8 +12,10 @@ engine has created the request's :class:`~kvhandoff.session.request.sender.Sende
 
 Bounds. Nothing a peer sends may grow without bound or push out what a real request
 left: a request id over ``MAX_ID_BYTES`` is refused (:func:`id_problem`); buffered indices
-are capped in bytes (``MAX_INIT_BYTES``), in requests (``max_requests``) and to one set per
-request and decode endpoint (the caller ignores a repeat, see :meth:`~PrefillBacklog.sent`);
+are capped in bytes (``MAX_INIT_BYTES``), in requests (``max_requests``), to one set per
+request and decode endpoint (the caller ignores a repeat, see :meth:`~PrefillBacklog.sent`)
+and to ``MAX_CLAIMANTS`` endpoints per request (several may wait side by side: the
+Sender, not the order they came in, decides whose they are);
 a kept reason is cut to ``MAX_REASON`` characters. Tombstones of requests that had a
 Sender here (``MAX_TOMBSTONES``) are kept apart from early aborts (``MAX_EARLY_ABORTS``,
 oldest forgotten first), so aborts cannot evict a real tombstone and the ``unsafe``
@@ -41,6 +43,9 @@ MAX_REASON = 4096
 """Characters of an abort's reason that are kept."""
 MAX_INIT_BYTES = 256 << 20
 """Bytes of index lists buffered for requests with no Sender yet, in all."""
+MAX_CLAIMANTS = 16
+"""Decode endpoints whose indices for one request wait for its Sender (a request's own
+decode ranks, and whoever else claims them)."""
 
 
 class Tomb(NamedTuple):
@@ -61,6 +66,7 @@ class Buffered(NamedTuple):
     endpoint: str  # the decode endpoint that sent them
     msg: TransferInit
     at: float  # time.monotonic() when they came
+    transport: bytes = b""  # that decode rank's transport endpoint (what its proof names)
 
 
 def id_problem(rid: RequestId) -> str | None:
@@ -133,19 +139,36 @@ class PrefillBacklog:
         """Whether ``endpoint`` already has indices buffered for ``rid``."""
         return any(b.endpoint == endpoint for b in self.inits.get(rid, ()))
 
-    def buffer(self, endpoint: str, msg: TransferInit, now: float) -> str | None:
-        """Buffer indices that arrived before their Sender; why not, if refused (the
-        caller checks :meth:`sent` first: a repeat is not buffered again)."""
+    def drop_from(self, rid: RequestId, endpoint: str) -> bool:
+        """Drop the indices ``endpoint`` buffered for ``rid``; whether others still wait."""
+        entries = self.inits.get(rid, [])
+        mine = [b for b in entries if b.endpoint == endpoint]
+        rest = [b for b in entries if b.endpoint != endpoint]
+        self.init_bytes -= sum(init_bytes(b.msg) for b in mine)
+        if rest:
+            self.inits[rid] = rest
+        else:
+            self.inits.pop(rid, None)
+        return bool(rest)
+
+    def buffer(self, endpoint: str, msg: TransferInit, now: float, transport: bytes = b""
+               ) -> str | None:
+        """Buffer indices that arrived before their Sender (from ``endpoint``, whose
+        transport endpoint is ``transport``); why not, if refused (the caller checks
+        :meth:`sent` first: a repeat is not buffered again)."""
         rid = msg.request_id
         if rid not in self.inits and len(self.inits) >= self.max_requests:
             return (f"{self.who} holds {self.max_requests} requests' indices with no "
                     f"Sender yet (max_pending_inits); refused")
+        if len(self.inits.get(rid, ())) >= MAX_CLAIMANTS:
+            return (f"{self.who}: {MAX_CLAIMANTS} decode endpoints sent indices for "
+                    f"request {rid!r} before its Sender (MAX_CLAIMANTS); refused")
         size = init_bytes(msg)
         if self.init_bytes + size > MAX_INIT_BYTES:
             return (f"{self.who} buffers {self.init_bytes} B of indices with no Sender "
                     f"yet; {size} B more would pass MAX_INIT_BYTES ({MAX_INIT_BYTES} B); "
                     f"refused")
-        self.inits.setdefault(rid, []).append(Buffered(endpoint, msg, now))
+        self.inits.setdefault(rid, []).append(Buffered(endpoint, msg, now, transport))
         self.init_bytes += size
         return None
 

@@ -8,12 +8,13 @@ own threads; :mod:`~kvhandoff.session.control.completion`) and ``config.workers`
 threads for blocking jobs (:meth:`RankIO.spawn`: bootstrap lookups, handshakes, checksum
 checks), plus the transport's own.
 
-Authentication: with ``config.secret_file`` set, the deployment secret is loaded first (a
+Authentication: the deployment secret (``config.secret_file``, else the user's default
+one, :meth:`~kvhandoff.session.config.SessionConfig.secret`) is loaded first (a
 :class:`~kvhandoff.secret.SecretError` names what is wrong with the file, before
 anything starts); the control channel signs and checks every message with the secret's
 control key (:mod:`~kvhandoff.session.control.auth`) and the transport gets its data key.
-Peers must hold the same secret. Without one the rank speaks plain messages, as on a
-loopback development host.
+Peers must hold the same secret. Only with ``config.insecure`` does the rank run with
+none, speaking plain messages to anyone (a loud warning at start-up).
 
 Lifecycle: construction opens everything or, failing, closes what it opened and raises.
 The agent then closes in two steps, because its requests and decode peers sit in
@@ -29,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from kvhandoff.layout import Layout
 from kvhandoff.observe.report import serve_process_metrics
-from kvhandoff.secret import PURPOSE_CONTROL, Secret, data_key
+from kvhandoff.secret import PURPOSE_CONTROL
 from kvhandoff.session.config import SessionConfig
 from kvhandoff.session.control.channel import (
     ControlChannel,
@@ -50,7 +51,7 @@ def open_transport(config: SessionConfig, **options: object) -> Transport:
     ``config.transport_options``. The one way a rank's transport is made: the agent's own,
     and one an engine makes first because it must allocate memory from it."""
     return create_transport(config.transport, **{
-        "data_secret": data_key(config.secret_file), **config.transport_options, **options})
+        "data_secret": config.data_key(), **config.transport_options, **options})
 
 
 class RankIO:
@@ -70,7 +71,8 @@ class RankIO:
         cfg = config
         try:
             # first: a secret file that cannot be used stops the rank before anything starts
-            key = Secret.load(cfg.secret_file).key(PURPOSE_CONTROL) if cfg.secret_file else None
+            secret = cfg.secret()
+            key = None if secret is None else secret.key(PURPOSE_CONTROL)
             if cfg.metrics_port >= 0:
                 serve_process_metrics(cfg.metrics_port, cfg.host)
             t = transport if transport is not None else open_transport(cfg)

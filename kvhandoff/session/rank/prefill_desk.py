@@ -5,8 +5,9 @@ decode ranks' handshakes (:class:`~kvhandoff.session.peers.decode_ranks.DecodePe
 their ``TransferInit`` and ``Abort`` messages to this rank's
 :class:`~kvhandoff.session.request.sender.Sender` of the request. What arrives before a request
 has a Sender, and the tombstones of requests that failed here, are kept, bounded, in a
-:class:`~kvhandoff.session.rank.backlog.PrefillBacklog`; which endpoints may abort a request
-(and the rule against a second set of indices) is :mod:`~kvhandoff.session.rank.claims`.
+:class:`~kvhandoff.session.rank.backlog.PrefillBacklog`; whose indices a Sender takes (by
+its request's key, :mod:`kvhandoff.binding`, or the rule against a second set of
+indices), and which endpoints may abort a request, is :mod:`~kvhandoff.session.rank.claims`.
 What the desk answers for a request itself is :mod:`~kvhandoff.session.rank.prefill_answers`:
 only a handshaken decode rank is ever dialed, anyone else is answered on the connection
 it came from.
@@ -27,6 +28,7 @@ import threading
 import time
 
 from kvhandoff.bootstrap.registration import Probe, Registration, prefill_record
+from kvhandoff.observe.report import process_metrics
 from kvhandoff.protocol import (
     Abort,
     ErrorReply,
@@ -39,10 +41,19 @@ from kvhandoff.protocol import (
 )
 from kvhandoff.session.control.channel import ControlChannel, Origin
 from kvhandoff.session.control.write_batch import WriteBatcher
-from kvhandoff.session.errors import AgentClosed
+from kvhandoff.session.errors import AgentClosed, SessionError, TransferFailed
 from kvhandoff.session.peers.decode_ranks import DecodePeer, DecodePeers
-from kvhandoff.session.rank.backlog import MAX_REASON, PrefillBacklog, id_problem
-from kvhandoff.session.rank.claims import Claims, abort_from, admit
+from kvhandoff.session.rank.backlog import MAX_REASON, Buffered, PrefillBacklog, Tomb, id_problem
+from kvhandoff.session.rank.claims import (
+    Buffering,
+    Claims,
+    Refused,
+    abort_from,
+    buffer,
+    refusal,
+    slot_of,
+    two_endpoints,
+)
 from kvhandoff.session.rank.notices import in_band, in_band_all
 from kvhandoff.session.rank.prefill_answers import ack_abort, tell_failed, unknown_peer
 from kvhandoff.session.request.host import Backlog, RankHost, Request
@@ -52,6 +63,7 @@ from kvhandoff.transport.throttle import Throttle
 log = logging.getLogger("kvhandoff.session.rank.agent")  # the agent's voice: one logger per agent
 
 _throttled = Throttle(log)
+_refused = Throttle(log)  # indices refused as not the request's decode's: apart from the rest
 
 
 class PrefillDesk:
@@ -67,8 +79,10 @@ class PrefillDesk:
         self.backlog = PrefillBacklog(hold=host.config.indices_timeout,
                                       max_requests=host.config.max_pending_inits,
                                       who=f"prefill {host.rank_id}")
-        self.claims = Claims()  # who sent each decode rank's indices, per request
+        self.claims = Claims()  # whose indices each live Sender took, per decode rank
         self.not_request_peer = 0  # aborts from an endpoint not the request's peer
+        self.refused_claims = 0  # indices refused as not the request's decode's
+        self._refused_metric = process_metrics().refused_claims
         self._registration: Registration | None = None
         self.peers = DecodePeers(layout=host.layout, transport=host.transport,
                                  rank=host.rank_id, send=host.post)
@@ -96,10 +110,11 @@ class PrefillDesk:
     # --- for Senders (any thread) ---------------------------------------------------------
 
     def attach(self, side: Request) -> Backlog:
-        """Register a new Sender; returns the indices buffered for it (with their decode
-        peer, or why that rank was dropped since) and why it already failed, if it did.
-        Indices from a rank whose data connection closed are handed over once it is
-        re-dialed."""
+        """Register a new Sender; returns the indices buffered for it that it takes (with
+        their decode peer, or why that rank was dropped since) and why it already failed,
+        if it did. Buffered indices it does not take (:mod:`~kvhandoff.session.rank.claims`)
+        are refused here. Indices from a rank whose data connection closed are handed
+        over once it is re-dialed."""
         assert isinstance(side, Sender)
         with self._lock:
             if self._closed:
@@ -108,16 +123,42 @@ class PrefillDesk:
                 raise ValueError(f"request id {side.request_id!r} is already live on this agent")
             self.senders[side.request_id] = side
             buffered, tomb = self.backlog.take(side.request_id)
+        taken, failed = self._sort(side, buffered)
         ready: list[tuple[DecodePeer | str, TransferInit]] = []
-        for ep, m, _ in buffered:
-            p = self.peers.get(ep)
+        for b in taken:
+            p = self.peers.get(b.endpoint)
             if p is None:
-                ready.append((self.peers.why_gone(ep), m))
+                ready.append((self.peers.why_gone(b.endpoint), b.msg))
             elif p.transport_peer.closed:
-                self._host.spawn(functools.partial(self._redialed, p, m, deliver=True))
+                self._host.spawn(functools.partial(self._redialed, p, b.msg, deliver=True))
             else:
-                ready.append((p, m))
-        return Backlog(ready, None if tomb is None else tomb.error())
+                ready.append((p, b.msg))
+        return Backlog(ready, tomb.error() if tomb is not None else failed)
+
+    def _sort(self, side: Sender, buffered: list[Buffered]
+              ) -> tuple[list[Buffered], SessionError | None]:
+        """The buffered indices ``side`` takes, and why it fails (two endpoints for one
+        decode rank: both are told, nothing was written to either). Those it may not
+        take are refused."""
+        taken: list[Buffered] = []
+        for b in buffered:
+            bad = refusal(side.key, b.msg, b.endpoint, b.transport)
+            if bad is not None:
+                self._refuse(b.endpoint, b.msg, *bad)
+            else:
+                taken.append(b)
+        with self._lock:
+            firsts = [self.claims.take(side.request_id, slot_of(b.msg.rank), b.endpoint)
+                      for b in taken]
+        twice = [(f, b) for f, b in zip(firsts, taken, strict=True) if f is not None]
+        if not twice:
+            return taken, None
+        first, b = twice[0]
+        why = two_endpoints(side.request_id, b.msg.rank, first, b.endpoint)
+        _throttled("prefill %s: %s", self._host.rank_id, why)
+        for ep in {x.endpoint for x in taken}:
+            tell_failed(self._host, ep, side.request_id, why, ack=True)
+        return [], TransferFailed(why)
 
     def finished(self, side: Request) -> None:
         """Forget a settled Sender; a failed one is remembered as a tombstone."""
@@ -177,39 +218,59 @@ class PrefillDesk:
             return
         self.peers.touch(peer.endpoint)
         rid, ep = msg.request_id, peer.endpoint
+        got, what = Buffering.BUFFERED, None
         with self._lock:
             sender = self.senders.get(rid)
-            got = admit(self.claims, self.backlog, msg, ep, time.monotonic(),
-                        has_sender=sender is not None)
-        if got.repeat:
+            if sender is None:
+                got, what = buffer(self.backlog, msg, ep, peer.transport_endpoint,
+                                   time.monotonic())
+        if sender is not None:
+            self._offer(sender, peer, msg)
+        elif got is Buffering.REPEAT:
             _throttled("request %r: decode %s sent its indices again before the Sender "
                        "started; the first set stands", rid, msg.rank)
-        if got.twice is not None and got.first is not None:
-            self._fail_two_claims(rid, got.twice, got.first, ep, sender)
-            return
-        tomb, full = got.tomb, got.refused
-        if peer.transport_peer.closed and tomb is None and full is None:
-            # its data connection broke: re-dial now; a Sender still to come gets the
-            # buffered indices with the fresh peer (or re-dials itself, see above)
-            self._host.spawn(functools.partial(self._redialed, peer, msg,
-                                               deliver=sender is not None))
-        elif sender is not None:
-            sender.on_init(peer, msg)
-        elif tomb is not None:
-            tell_failed(self._host, ep, rid, tomb.reason, ack=ep not in tomb.unsafe)
-        elif full is not None:
-            self._control.reply(origin, ErrorReply(reason=full, request_id=msg.request_id))
+        elif isinstance(what, Tomb):
+            tell_failed(self._host, ep, rid, what.reason, ack=ep not in what.unsafe)
+        elif isinstance(what, str):
+            self._control.reply(origin, ErrorReply(reason=what, request_id=rid))
+        elif peer.transport_peer.closed:
+            # its data connection broke: re-dial now; the Sender to come gets the
+            # buffered indices with the fresh peer (or re-dials itself, see attach)
+            self._host.spawn(functools.partial(self._redialed, peer, msg, deliver=False))
 
-    def _fail_two_claims(self, rid: RequestId, why: str, first: str, second: str,
-                         sender: Sender | None) -> None:
-        """Tell both endpoints of a second set of indices (without the lock): the second was
-        never written to; so was the first if no Sender had its indices yet. A live
-        Sender fails, telling its own ranks (and acks once nothing is in flight)."""
-        _throttled("prefill %s: %s", self._host.rank_id, why)
-        if sender is not None:
+    def _offer(self, sender: Sender, peer: DecodePeer, msg: TransferInit) -> None:
+        """Indices for a live Sender: refused unless they are its request's decode's; a
+        second endpoint for one decode rank fails the request (the second is told)."""
+        bad = refusal(sender.key, msg, peer.endpoint, peer.transport_endpoint)
+        if bad is not None:
+            self._refuse(peer.endpoint, msg, *bad)
+            return
+        rid, ep = msg.request_id, peer.endpoint
+        with self._lock:
+            first = self.claims.take(rid, slot_of(msg.rank), ep)
+        if first is not None:
+            why = two_endpoints(rid, msg.rank, first, ep)
+            _throttled("prefill %s: %s", self._host.rank_id, why)
             sender.on_init_refused(why)
-        for ep in ([second] if sender is not None else [first, second]):
             tell_failed(self._host, ep, rid, why, ack=True)
+        elif peer.transport_peer.closed:  # its data connection broke: re-dial, then hand over
+            self._host.spawn(functools.partial(self._redialed, peer, msg, deliver=True))
+        else:
+            sender.on_init(peer, msg)
+
+    def _refuse(self, endpoint: str, msg: TransferInit, kind: Refused, why: str) -> None:
+        """Refuse indices that are not the request's decode's (nothing was planned or
+        written for them): counted, logged at a bounded rate, and the sender told —
+        unless it is one of the request's own decode ranks (someone spoke under its
+        name: its request goes on)."""
+        rid = msg.request_id
+        with self._lock:
+            self.refused_claims += 1
+            ours = self.claims.is_peer(rid, endpoint)
+        self._refused_metric.labels(kind.value).inc()
+        _refused("prefill %s: %s", self._host.rank_id, why)
+        if not ours:
+            tell_failed(self._host, endpoint, rid, why, ack=True)
 
     def _redialed(self, peer: DecodePeer, msg: TransferInit, *, deliver: bool) -> None:
         """Re-dial ``peer``'s broken data connection (a worker thread), then hand ``msg``
@@ -219,7 +280,9 @@ class PrefillDesk:
         with self._lock:
             sender = self.senders.get(msg.request_id)
             if not deliver:
-                if isinstance(got, str) and sender is None:
+                # an unreachable claimant's indices go; the last one's fail the request
+                if isinstance(got, str) and sender is None and \
+                        not self.backlog.drop_from(msg.request_id, peer.endpoint):
                     self.backlog.fail(msg.request_id, got, time.monotonic(), lost=True)
                 return  # else the Sender's own attach re-dials (or finds the fresh peer)
         if sender is None:
@@ -265,7 +328,7 @@ class PrefillDesk:
         which the agent gathered for its heartbeats (so a tick takes each Sender's lock once)."""
         with self._lock:
             self.backlog.expire(now)
-            self.claims.keep_only(self.senders, self.backlog.inits)
+            self.claims.keep_only(self.senders)
             busy = self.backlog.endpoints()
         for ep in self.peers.idle(now, busy | in_use):
             self._host.spawn(functools.partial(self.peers.drop_idle, ep))

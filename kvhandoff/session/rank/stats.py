@@ -3,7 +3,8 @@
 A pure function over what the agent holds: the control channel's message counts
 (``received``, ``sent``, ``malformed``, ``unauthenticated``, always present, and any
 other it keeps), the role's desk (live requests, handshaken peers, statuses received
-in band, messages from an endpoint that is not the request's peer), the peer watch
+in band, messages from an endpoint that is not the request's peer, indices refused as
+not the request's decode's), the peer watch
 (suspects) and the transport (staging slots in use). A counter of the other role, or of
 a part the agent does not have (it failed to start), reads 0.
 """
@@ -33,5 +34,7 @@ def agent_stats(desk: PrefillDesk | DecodeDesk | None, io: RankIO | None,
     out["suspect_peers"] = watch.suspects  # a write to them was lost; being probed
     # request-scoped messages from an endpoint that is not that request's peer
     out["not_request_peer"] = desk.not_request_peer if desk is not None else 0
+    # prefill: indices refused as not the request's decode's (kvhandoff.binding)
+    out["refused_claims"] = desk.refused_claims if isinstance(desk, PrefillDesk) else 0
     out["staging_slots"] = io.transport.staging_slots_in_use if io else 0
     return out

@@ -28,7 +28,7 @@ lock, no clock and no socket: events in, effects out.
 What a request asks of its host, all of it:
 
 * facts about the rank: its :class:`Role`, layout and components, config, rank id,
-  tensor views and transport;
+  endpoints, tensor views and transport;
 * :meth:`RankHost.attach` once, when it is created, and :meth:`RankHost.finished` once,
   when it is over (settled on prefill, released on decode);
 * I/O it must not do itself: :meth:`~RankHost.post` a control message, :meth:`~RankHost.track`
@@ -139,6 +139,16 @@ class RankHost(Protocol):
 
     @property
     def rank_id(self) -> RankId: ...
+
+    @property
+    def endpoint(self) -> str:
+        """This rank's control endpoint (what its peers know it by)."""
+        ...
+
+    @property
+    def transport_endpoint(self) -> bytes:
+        """What a peer's transport dials to reach this rank (its handshake names it)."""
+        ...
 
     @property
     def views(self) -> TensorViews: ...

@@ -2,11 +2,15 @@
 
 Call order (the engine's thread)::
 
-    r = Receiver(agent, "10.0.0.3:8998", request_id)   # BOOTSTRAPPING: find prefill ranks
+    r = Receiver(agent, "10.0.0.3:8998", request_id, key=key)   # BOOTSTRAPPING
     r.init({"kv": pages, "mamba": [slot], "swa": window_pages, ...}, aux_row,
            decode_prefix_len=prefix)                 # sends the destination indices
     while r.poll() not in (Status.SUCCESS, Status.FAILED): ...
     # FAILED: r.error says why; reuse the destination pages only once r.released
+
+``key``: the request's :class:`~kvhandoff.binding.RequestKey`, the one its Senders got:
+the indices then carry the proof that the request was routed to this rank (prefill
+refuses indices without it for a request with a key).
 
 ``init`` may be called at once: the indices go out as soon as the prefill group is
 handshaken (the handshake runs once per prefill rank and is shared by every request).
@@ -44,6 +48,7 @@ import time
 import urllib.parse
 from collections.abc import Mapping
 
+from kvhandoff.binding import RequestKey
 from kvhandoff.errors import HandoffError
 from kvhandoff.layout import Layout
 from kvhandoff.plan import plan
@@ -94,8 +99,10 @@ class Receiver(RequestSide):
     _core: RecvCore
 
     def __init__(self, agent: RankHost, bootstrap_addr: str, request_id: RequestId, *,
-                 instance: str | None = None, dp_rank: int | None = None) -> None:
+                 key: RequestKey | None = None, instance: str | None = None,
+                 dp_rank: int | None = None) -> None:
         super().__init__(agent, request_id, "decode")
+        self._key = key
         self._core = RecvCore(request_id=request_id, facts=agent, created=self._created)
         self.url = bootstrap_url(bootstrap_addr)
         self.instance = instance or agent.config.instance
@@ -176,8 +183,11 @@ class Receiver(RequestSide):
             out[agent.aux_name] = IndexListMsg.one(aux_row)
         elif aux_row is not None:
             raise ValueError("aux_row given but the layout has no aux component")
+        proof = None if self._key is None else self._key.prove(
+            self.request_id, agent.rank_id, agent.endpoint, agent.transport_endpoint)
         return TransferInit(request_id=self.request_id, rank=agent.rank_id, indices=out,
-                            decode_prefix_len=prefix, expect_checksum=agent.config.checksum)
+                            decode_prefix_len=prefix, expect_checksum=agent.config.checksum,
+                            proof=proof)
 
     def _aux_view(self) -> aux.U8 | None:
         t, row = self.agent.aux_tensor, self._core.aux_row

@@ -2,13 +2,20 @@
 
 Call order (the engine's thread)::
 
-    s = Sender(agent, request_id)             # BOOTSTRAPPING: waits for decode's indices
+    s = Sender(agent, request_id, key=key)    # BOOTSTRAPPING: waits for decode's indices
     s.init(num_pages, aux_row)                # pages the request's KV will fill, from token 0
     s.send(pages_of_chunk_0)                  # chunked prefill: as KV is computed
     ...
     s.send(pages_of_last_chunk, state_indices={"mamba": [slot], ...}, last=True)
     while s.poll() not in (Status.SUCCESS, Status.FAILED): ...
     s.wait_settled(timeout)                   # before freeing the source pages
+
+``key``: the request's :class:`~kvhandoff.binding.RequestKey`, which its decode got too
+(the engine adapter makes it, see :mod:`kvhandoff.binding`): then only indices that prove
+they come from the decode the request was routed to are taken, and any other claimant is
+refused before a byte moves, whenever it comes. Without a key, the indices of the first
+endpoint to send them for each decode rank are taken and a second endpoint fails the
+request (:mod:`~kvhandoff.session.rank.claims`).
 
 ``send`` may be called before decode's indices arrive: chunks queue and go out once every
 expected decode rank's ``TransferInit`` is in (``WAITING_FOR_INPUT``). The last chunk
@@ -52,6 +59,7 @@ import time
 from collections import Counter
 from collections.abc import Mapping
 
+from kvhandoff.binding import RequestKey
 from kvhandoff.errors import HandoffError
 from kvhandoff.observe import timeline as tl
 from kvhandoff.plan import Plan, plan
@@ -82,8 +90,10 @@ class Sender(RequestSide):
 
     _core: SendCore
 
-    def __init__(self, agent: RankHost, request_id: RequestId) -> None:
+    def __init__(self, agent: RankHost, request_id: RequestId, *,
+                 key: RequestKey | None = None) -> None:
         super().__init__(agent, request_id, "prefill")
+        self.key = key  # read by the desk, without the lock: never changes
         self._core = SendCore(request_id=request_id, facts=agent, created=self._created)
         self._peers: dict[str, DecodePeer] = {}
         self._settled = Latch()

@@ -28,6 +28,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, ClassVar, Protocol, TypeVar
 
+from kvhandoff.descriptors import Backoff, connection_cap
 from kvhandoff.plan.model import Plan
 from kvhandoff.transport.base import Handle, Peer, Transport
 from kvhandoff.transport.errors import (
@@ -59,6 +60,12 @@ R = TypeVar("R", bound="InFlight")
 JOIN_S = 5.0
 """How long ``close`` waits for each worker thread (they exit once their socket is shut)."""
 
+MAX_CONNECTIONS = 1024
+"""Connections a server holds in all, proven or not, at most: its cap is this or a quarter
+of the descriptors free when it starts (:func:`~kvhandoff.descriptors.connection_cap`),
+whichever is less, so strangers cannot take the process's last descriptor."""
+DESCRIPTOR_SHARE = 0.2
+"""A data server's share of the free descriptors (the control socket takes as much)."""
 MAX_UNPROVEN = 256
 """Connections a server holds that have not passed the handshake yet, in all."""
 MAX_UNPROVEN_PER_HOST = 64
@@ -72,7 +79,6 @@ HELLO_DEADLINE_S = 10.0
 """An unproven connection is cut this long after it was accepted; its handshake reads
 give up at the same deadline."""
 _REAP_S = 1.0  # how often the accept loop looks for overdue unproven connections
-_BACKOFF_S = (0.01, 1.0)  # retrying a failed accept: first wait, and cap
 _DEAD_LISTENER = frozenset({errno.EBADF, errno.EINVAL, errno.ENOTSOCK})
 _accept_failed = Throttle(log)
 _refused = Throttle(log)
@@ -93,12 +99,13 @@ class ThreadedServer(abc.ABC):
 
     Hostile clients cannot take the port down or hold it: a failed ``accept`` (out of
     file descriptors, say) is logged (rate-limited) and retried with backoff, never the
-    end of the loop; a connection stays *unproven* until its handshake succeeded, and
-    unproven connections are capped (``MAX_UNPROVEN`` in all, ``MAX_UNPROVEN_PER_HOST``
-    per source address) and cut after ``HELLO_DEADLINE_S`` seconds, however slowly they
-    trickle bytes; all connections from one address are capped at ``max_per_host``. A
-    connection over a cap gets a REFUSED (busy) frame and is closed at once; the reason
-    is logged, rate-limited."""
+    end of the loop; all connections are capped at :attr:`max_connections`, which stays
+    below the descriptor limit read at start-up (:data:`MAX_CONNECTIONS`); a connection
+    stays *unproven* until its handshake succeeded, and unproven connections are capped
+    (``MAX_UNPROVEN`` in all, ``MAX_UNPROVEN_PER_HOST`` per source address) and cut after
+    ``HELLO_DEADLINE_S`` seconds, however slowly they trickle bytes; all connections from
+    one address are capped at ``max_per_host``. A connection over a cap gets a REFUSED
+    (busy) frame and is closed at once; the reason is logged, rate-limited."""
 
     def __init__(self, listener: socket.socket, name: str, *, key: bytes, endpoint_id: str,
                  max_per_host: int = MAX_PER_HOST) -> None:
@@ -114,6 +121,8 @@ class ThreadedServer(abc.ABC):
         self.name = name
         self._key, self.endpoint_id = key, endpoint_id
         self.max_per_host = max_per_host
+        self.max_connections = connection_cap(MAX_CONNECTIONS, DESCRIPTOR_SHARE)
+        self.accept_failures = 0  # accepts that failed (out of descriptors, say)
         self._lock = threading.Lock()
         self._closing = False
         self._wake = threading.Event()
@@ -156,7 +165,7 @@ class ThreadedServer(abc.ABC):
             self._unproven.pop(conn, None)  # no longer subject to the unproven caps
 
     def _accept_loop(self) -> None:
-        backoff = _BACKOFF_S[0]
+        backoff = Backoff()
         while not self._closing:
             try:
                 conn, addr = self._listener.accept()
@@ -166,12 +175,14 @@ class ThreadedServer(abc.ABC):
             except OSError as e:
                 if self._closing or e.errno in _DEAD_LISTENER:
                     return  # listener shut down by close()
-                _accept_failed("%s server: accept failed (%s); retrying in %.2f s, still "
-                               "listening", self.name, e, backoff)
-                self._wake.wait(backoff)
-                backoff = min(backoff * 2, _BACKOFF_S[1])
+                self.accept_failures += 1
+                wait = backoff.next()
+                _accept_failed("%s server: accept failed (%s; %d connections held, at most "
+                               "%d); retrying in %.2f s, still listening", self.name, e,
+                               len(self._conns), self.max_connections, wait)
+                self._wake.wait(wait)
                 continue
-            backoff = _BACKOFF_S[0]
+            backoff.reset()
             self._admit(conn, addr[0] if isinstance(addr, tuple) and addr else "local")
             self._reap(time.monotonic())
 
@@ -195,6 +206,9 @@ class ThreadedServer(abc.ABC):
 
     def _over_cap(self, host: str) -> str | None:
         """Which cap a new connection from ``host`` would break (caller holds the lock)."""
+        if len(self._conns) >= self.max_connections:
+            return (f"the server holds {self.max_connections} connections, its cap below "
+                    f"the descriptor limit")
         if len(self._unproven) >= MAX_UNPROVEN:
             return f"{MAX_UNPROVEN} connections have not shown the token yet"
         here = [c for c, h in self._hosts.items() if h == host]
