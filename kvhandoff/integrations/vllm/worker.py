@@ -6,7 +6,10 @@ vLLM calls in on its step thread; the agent's own threads move the bytes. ``fini
 (vLLM's ``get_finished``) polls the live requests and reports:
 
 * prefill: a request once its Sender is final *and settled* (no write still reads its
-  blocks), whatever the outcome: vLLM may then free the blocks;
+  blocks), whatever the outcome: vLLM may then free the blocks. The Sender gets its last
+  chunk as soon as vLLM finished the request, which starts the lease
+  (``SessionConfig.lease``): a request whose decode hop never comes fails
+  ``LeaseExpired`` then and its blocks are freed;
 * decode: a request once its Receiver succeeded, or failed *and released* (no late write
   can land in its blocks). A failure is also reported as a failed receive, so vLLM's
   ``kv_load_failure_policy`` applies (block-level errors are not an option: vLLM refuses
@@ -43,7 +46,7 @@ from kvhandoff.memory import raw_view
 from kvhandoff.observe import timeline as tl
 from kvhandoff.protocol import LocalProtocolError
 from kvhandoff.session.config import SessionConfig
-from kvhandoff.session.errors import HandshakeError
+from kvhandoff.session.errors import HandshakeError, LeaseExpired
 from kvhandoff.session.rank.agent import Agent
 from kvhandoff.session.request.aux import AuxSpec
 from kvhandoff.session.request.receiver import Receiver
@@ -320,6 +323,8 @@ class WorkerSide:
             return
         reason = _reason(side.error) if side is not None else "NoAuxRow"
         self.stats.outcome(self.role, reason)
+        if side is not None and isinstance(side.error, LeaseExpired):
+            return  # the library logged it when the lease ran out: once is enough
         log.warning("request %s: handoff failed on %s: %s", rid, self.role,
                     side.reason if side is not None else "no free aux row")
 
