@@ -26,7 +26,10 @@ Timeouts, in seconds (default in brackets), and what each bounds:
 * ``release_timeout`` [30] — decode: after a failure, how long to wait for every prefill
   rank's AbortAck before declaring the destination pages reusable anyway (reported).
 * ``heartbeat_interval`` [1] / ``heartbeat_timeout`` [5] — peers with live requests are pinged
-  every interval; one silent for the timeout is declared lost and its requests fail.
+  every interval; one silent for the timeout whose control link is down too (its process
+  died or froze: libzmq's own heartbeats, which a busy peer still answers, went
+  unanswered) is declared lost and its requests fail. One silent with its link up is
+  busy: lost only after 12 timeouts (``liveness.book.BUSY_FACTOR``).
 
 Observability (:mod:`kvhandoff.observe`): ``metrics`` [on] counts every finished request in
 the process's Prometheus metrics; ``metrics_port`` (``KVHANDOFF_METRICS_PORT``)
@@ -67,7 +70,7 @@ _TIMEOUT_HELP = {
     "transfer_timeout": "one chunk's writes; decode: longest gap between chunk statuses",
     "release_timeout": "decode, after a failure: wait for prefill's AbortAcks",
     "heartbeat_interval": "ping peers with live requests this often",
-    "heartbeat_timeout": "a peer silent this long is declared lost",
+    "heartbeat_timeout": "a peer silent this long, its control link down, is declared lost",
 }
 
 
