@@ -70,6 +70,20 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _indices_from(ctx: zmq.Context[zmq.Socket[bytes]], ghost: str, rig: Rig,
+                  instance: str) -> None:
+    """Send request 1's indices to prefill as a decode rank at control endpoint
+    ``ghost`` that prefill never handshook, and wait for prefill's answer (asking it to
+    handshake again)."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTING_ID, ghost.encode())
+    sock.connect(rig.prefill.endpoint)
+    rank = RankId(instance=instance, dp_rank=0, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
+    sock.send(encode_message(TransferInit(request_id=1, rank=rank, indices={})))
+    assert sock.poll(60_000), "no answer to the indices"
+
+
 def test_indices_from_an_unknown_rank_that_goes_silent_fail_the_request(
         bootstrap: BootstrapServer, instance: str) -> None:
     """A decode rank prefill does not know (dropped, or never handshaken) sends indices
@@ -81,14 +95,7 @@ def test_indices_from_an_unknown_rank_that_goes_silent_fail_the_request(
     try:
         s = rig.sender(rig.plan(1))[0]
         ghost = f"tcp://127.0.0.1:{_free_port()}"  # nothing will answer there
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.ROUTING_ID, ghost.encode())
-        sock.connect(rig.prefill.endpoint)
-        rank = RankId(instance=instance, dp_rank=0, tp_rank=0, tp_size=1, pp_rank=0,
-                      pp_size=1)
-        sock.send(encode_message(TransferInit(request_id=1, rank=rank, indices={})))
-        assert sock.poll(60_000), "no answer to the indices"
+        _indices_from(ctx, ghost, rig, instance)
         assert s.wait(120) is Status.FAILED
         assert "asked to handshake again" in str(s.reason), s.reason
         assert ghost in str(s.reason) and "control link is down" in str(s.reason)
@@ -112,14 +119,7 @@ def test_a_rank_whose_process_answers_but_not_its_python_is_busy_not_lost(
         busy = ctx.socket(zmq.ROUTER)
         busy.setsockopt(zmq.LINGER, 0)
         ghost = f"tcp://127.0.0.1:{busy.bind_to_random_port('tcp://127.0.0.1')}"
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.ROUTING_ID, ghost.encode())
-        sock.connect(rig.prefill.endpoint)
-        rank = RankId(instance=instance, dp_rank=0, tp_rank=0, tp_size=1, pp_rank=0,
-                      pp_size=1)
-        sock.send(encode_message(TransferInit(request_id=1, rank=rank, indices={})))
-        assert sock.poll(60_000), "no answer to the indices"
+        _indices_from(ctx, ghost, rig, instance)
         pings = 0
         while pings < 3:  # prefill pings the rank it waits on: none is answered
             assert busy.poll(60_000), "prefill does not ping the rank it waits on"
