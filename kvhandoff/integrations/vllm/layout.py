@@ -44,6 +44,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from kvhandoff.errors import LayoutError
 from kvhandoff.layout import NO_LAYER, Component, Layout, MemoryKind, Region, ShardSpec, TensorSpec
 from kvhandoff.state_types import StateType
 
@@ -96,7 +97,7 @@ def mamba_states(m: MambaInfo, tp_size: int) -> tuple[StatePart, ...] | str:
     if m.kind == "mamba1":
         unit, groups = 1, (dim * tp_size,)
         ssm_shard = ShardSpec(outer=1, groups=(ssm[0] * tp_size,),
-                              inner_bytes=ssm[1] * m.itemsizes[1])
+                              inner_bytes=ssm[1] * m.itemsizes[1], labels=("d_inner rows",))
     elif m.kind == "mamba2":
         heads, head_dim, state = ssm
         x = heads * head_dim * tp_size
@@ -105,7 +106,8 @@ def mamba_states(m: MambaInfo, tp_size: int) -> tuple[StatePart, ...] | str:
                     f"(x {x}, n_groups {m.n_groups})")
         unit, groups = state, (x // state, m.n_groups, m.n_groups)
         ssm_shard = ShardSpec(outer=1, groups=(heads * tp_size,),
-                              inner_bytes=head_dim * state * m.itemsizes[1])
+                              inner_bytes=head_dim * state * m.itemsizes[1],
+                              labels=("SSM heads",))
     else:  # gdn: conv [q, k, v] sharded by head, temporal (v_heads, v_dim, k_dim)
         v_heads, v_dim, k_dim = ssm
         value = v_heads * v_dim
@@ -116,9 +118,11 @@ def mamba_states(m: MambaInfo, tp_size: int) -> tuple[StatePart, ...] | str:
         key = key2 // 2 * tp_size // unit
         groups = (key, key, value * tp_size // unit)
         ssm_shard = ShardSpec(outer=1, groups=(v_heads * tp_size,),
-                              inner_bytes=v_dim * k_dim * m.itemsizes[1])
+                              inner_bytes=v_dim * k_dim * m.itemsizes[1],
+                              labels=("SSM heads",))
     if sum(groups) * unit != dim * tp_size and m.kind != "mamba2":
-        return f"{m.kind} conv dim {dim} does not split into {groups} x {unit}"
+        return (f"{m.kind} conv dim {dim} at TP {tp_size} does not split into {groups} x "
+                f"{unit}")
     c = m.itemsizes[0]
     conv_shard = (ShardSpec(outer=1, groups=groups, inner_bytes=unit * rows * c)
                   if m.conv_dim_first else
@@ -177,8 +181,23 @@ def component_name(group: GroupInfo) -> str:
 def build_layout(groups: Sequence[GroupInfo], tensors: Mapping[str, TensorInfo], *,
                  tp_rank: int, tp_size: int, extra: Sequence[Component] = (),
                  extra_regions: Sequence[Region] = (),
-                 identity: Sequence[tuple[str, str]] = ()) -> Layout:
-    """The rank's Layout: one component per group, plus ``extra`` (the aux component)."""
+                 identity: Sequence[tuple[str, str]] = (), model: str = "") -> Layout:
+    """The rank's Layout: one component per group, plus ``extra`` (the aux component).
+    Raises :class:`VllmLayoutError` (or :class:`~kvhandoff.errors.LayoutError`) naming
+    ``model``, the group, the layer and the numbers for what cannot be handed off."""
+    try:
+        return _build(groups, tensors, tp_rank=tp_rank, tp_size=tp_size, extra=extra,
+                      extra_regions=extra_regions, identity=identity, model=model)
+    except (VllmLayoutError, LayoutError) as e:
+        if not model or str(e).startswith(f"{model}: "):  # the Layout named it already
+            raise
+        raise type(e)(f"{model}: {e}") from None
+
+
+def _build(groups: Sequence[GroupInfo], tensors: Mapping[str, TensorInfo], *,
+           tp_rank: int, tp_size: int, extra: Sequence[Component],
+           extra_regions: Sequence[Region], identity: Sequence[tuple[str, str]],
+           model: str) -> Layout:
     full = [g for g in groups if g.kind == "full"]
     if len(full) > 1:
         raise VllmLayoutError(
@@ -206,7 +225,7 @@ def build_layout(groups: Sequence[GroupInfo], tensors: Mapping[str, TensorInfo],
     return Layout(page_size=page, tp_rank=tp_rank, tp_size=tp_size,
                   components=(*components, *extra),
                   regions=(*sorted(regions.values(), key=lambda r: r.ptr), *extra_regions),
-                  identity=tuple(identity))
+                  identity=tuple(identity), model=model)
 
 
 def _tensors(g: GroupInfo, name: str, t: TensorInfo, tp_size: int) -> list[TensorSpec]:
@@ -221,7 +240,8 @@ def _tensors(g: GroupInfo, name: str, t: TensorInfo, tp_size: int) -> list[Tenso
         if isinstance(parts, str):
             if tp_size > 1:
                 raise VllmLayoutError(f"{where}: {parts}; kvhandoff cannot slice it per TP "
-                                      f"rank, run this model at TP 1 on both sides")
+                                      f"rank at TP {tp_size}, run this model at TP 1 on both "
+                                      f"sides")
         else:
             if sum(p.nbytes for p in parts) > item:
                 raise VllmLayoutError(f"{where}: its states ({sum(p.nbytes for p in parts)} B) "
@@ -238,7 +258,7 @@ def _tensor(g: GroupInfo, name: str, t: TensorInfo, tp_size: int, where: str,
     item = t.block_bytes
     shard = None
     if g.kind in ("full", "sliding"):
-        shard = _head_shard(g, where, t)
+        shard = _head_shard(g, where, t, tp_size)
         if shard is None and tp_size > 1:
             raise VllmLayoutError(
                 f"{where}: pages of shape {t.shape} strides {t.strides} are not head-major "
@@ -247,13 +267,14 @@ def _tensor(g: GroupInfo, name: str, t: TensorInfo, tp_size: int, where: str,
     elif g.kind == "mamba" and tp_size > 1:
         raise VllmLayoutError(
             f"{where}: vLLM hands Mamba/linear-attention state as raw padded pages, which "
-            f"kvhandoff does not slice per TP rank yet; run this model at TP 1 on both sides")
+            f"kvhandoff does not slice per TP rank yet (TP {tp_size}); run this model at TP 1 "
+            f"on both sides")
     return TensorSpec(name=name, layer_id=layer_index(name), ptr=t.ptr, nbytes=nbytes,
                       item_bytes=item, dtype=t.dtype if shard is not None else "uint8",
                       shard=shard, memory=t.memory, device=t.device)
 
 
-def _head_shard(g: GroupInfo, where: str, t: TensorInfo) -> ShardSpec | None:
+def _head_shard(g: GroupInfo, where: str, t: TensorInfo, tp_size: int) -> ShardSpec | None:
     """``outer 1 × heads × (N·C bytes)`` for a dense head-major ``[B, H, N, C]`` block."""
     if len(t.shape) != 4:
         return None
@@ -263,5 +284,7 @@ def _head_shard(g: GroupInfo, where: str, t: TensorInfo) -> ShardSpec | None:
         return None
     total = g.total_heads or h
     if total % h and h != 1:
-        raise VllmLayoutError(f"{where}: {h} local KV heads do not divide the model's {total}")
-    return ShardSpec(outer=1, groups=(total,), inner_bytes=n * c * t.itemsize)
+        raise VllmLayoutError(f"{where}: {h} local KV heads at TP {tp_size} do not divide the "
+                              f"model's {total} ({total} = {total // h} x {h} + {total % h})")
+    return ShardSpec(outer=1, groups=(total,), inner_bytes=n * c * t.itemsize,
+                     labels=("KV heads",))
