@@ -24,6 +24,7 @@ import pytest
 from kvhandoff.bootstrap.server import BootstrapServer
 from kvhandoff.lab.testing.handoff import RequestPlan, Scenario, Topology
 from kvhandoff.lab.testing.sides import (
+    PATIENCE,
     Outcome,
     RunResult,
     SideReport,
@@ -53,10 +54,12 @@ def requests(n: int = 3, tokens: int = 40, first_block: int = 0) -> tuple[Reques
 def scenario(faults: dict[str, Any], config: dict[str, Any] | None = None,
              reqs: tuple[RequestPlan, ...] | None = None, instance: str = "",
              transport: str = "tcp") -> Scenario:
+    # every timer the fault should not trip waits PATIENCE: a loaded machine's slowness
+    # must never pass for a fault (the heartbeat tells busy from dead by itself)
     cfg = {"instance": instance or f"proc-{next(_names)}", "heartbeat_timeout": 1.5,
-           "release_timeout": 3.0, **(config or {})}
+           "release_timeout": PATIENCE, **(config or {})}
     return Scenario(topo=TOPO, requests=reqs or requests(), config=cfg, faults=faults,
-                    timeout=30.0, transport=transport)
+                    timeout=PATIENCE, transport=transport)
 
 
 def failed(outcomes: list[Outcome], *words: str) -> None:
@@ -187,7 +190,7 @@ def test_prefill_killed_mid_transfer(workers: WorkerPair, transport: str) -> Non
     with BootstrapServer() as srv:  # the dead ranks' registrations stay behind: own server
         p, d = workers.get()
         scn = scenario({"prefill_exit": "transferring", "chunk_delay": 0.15},
-                       transport=transport)
+                       {"release_timeout": 3.0}, transport=transport)
         res = run_scenario(scn, srv.url, p, d)
         assert res.prefill.problems == ["prefill worker gave no report"]
         assert not res.decode.problems, res.decode.problems
@@ -223,9 +226,9 @@ def test_a_dead_decode_peer_does_not_poison_the_others(workers: WorkerPair,
                                      instance=name, transport=transport), srv.url)
             other.run("decode", scenario({}, reqs=healthy, instance=name,
                                          transport=transport), srv.url)
-            good = other.result(90)
-            pre = p.result(90)
-            dead = d.result(30)
+            good = other.result(PATIENCE + 60)
+            pre = p.result(PATIENCE + 60)
+            dead = d.result(PATIENCE)
             # close both sides before any assert, so a failure here leaves no agent
             # behind for the next test's leak report
             leaks = other.close_side(), p.close_side()
