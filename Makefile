@@ -186,12 +186,13 @@ typecheck: $(STAMP)
 unit: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP)
 	$(BIN)/python -m pytest -q
 
-# The fault, conformance and end-to-end suites (the vLLM and SGLang servers aside)
-# STRESS_RUNS times in a row while CPU hogs keep every core busy: no test may lean on an
-# idle machine.
+# The fault, conformance and end-to-end suites (the vLLM and SGLang servers aside) STRESS_RUNS
+# times in a row while STRESS_HOGS CPU hogs keep every core busy (12: six per core on the 2-core CI
+# machine, a load of ~14): no test may lean on an idle machine.
 STRESS_RUNS ?= 3
+STRESS_HOGS ?= 12
 test-stress: $(STAMP)
-	$(BIN)/python -m kvhandoff.lab.testing.hogs --runs $(STRESS_RUNS) -- \
+	$(BIN)/python -m kvhandoff.lab.testing.hogs --hogs $(STRESS_HOGS) --runs $(STRESS_RUNS) -- \
 	  $(BIN)/python -m pytest -q -p no:cacheprovider tests/faults tests/conformance tests/e2e \
 	  --ignore=tests/e2e/test_vllm.py --ignore=tests/e2e/test_vllm_worker.py \
 	  --ignore=tests/e2e/test_sglang.py --ignore=tests/e2e/test_sglang_backend.py
@@ -199,7 +200,8 @@ test-stress: $(STAMP)
 # The part of test-stress CI runs (.ci/run): the fault suite once under the hogs, with its
 # soak at the make-test length, so a timing assumption in a fault test cannot land.
 test-stress-faults: $(STAMP)
-	KVHANDOFF_SOAK_SECONDS=30 $(BIN)/python -m kvhandoff.lab.testing.hogs --runs 1 -- \
+	KVHANDOFF_SOAK_SECONDS=30 $(BIN)/python -m kvhandoff.lab.testing.hogs --hogs $(STRESS_HOGS) \
+	  --runs 1 -- \
 	  $(BIN)/python -m pytest -q -p no:cacheprovider tests/faults
 
 # The chaos soak (docs/proof.md, "The chaos soak"): SOAK_MINUTES=60 for an hour.

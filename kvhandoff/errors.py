@@ -27,6 +27,7 @@ user can act on it without reading our source.
         ├── HandshakeError        a (decode rank, prefill rank) pair cannot work
         ├── BootstrapFailed       the prefill ranks could not be found in time
         ├── RequestTimeout        a request spent too long in one state
+        │   └── LeaseExpired      prefill freed a finished request no decode claimed
         ├── RequestAborted        the engine (or the peer's engine) aborted it
         ├── RequestRejected       the peer refused a request message (ErrorReply)
         └── AgentClosed           the agent shut down under the request
@@ -176,6 +177,11 @@ class BootstrapFailed(SessionError):
 
 class RequestTimeout(SessionError):
     """A request stayed in one state longer than its configured timeout."""
+
+
+class LeaseExpired(RequestTimeout):
+    """Prefill had finished a request, and no decode claimed it (sent its indices)
+    within the lease: prefill freed its memory (``SessionConfig.lease``)."""
 
 
 class RequestAborted(SessionError):

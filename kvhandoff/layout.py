@@ -68,12 +68,15 @@ class ShardSpec:
     ``groups`` are the *global* lengths of the axis's independently sharded
     sub-blocks (one group for a plain axis). The same ShardSpec describes the
     tensor on every rank of both sides; the rank's share comes from
-    :meth:`ranges`.
+    :meth:`ranges`. ``labels`` optionally name each group's units (``"KV heads"``,
+    ``"k channels"``) for the message that refuses a TP size; they are no part of the
+    geometry (not compared, not sent).
     """
 
     outer: int
     groups: tuple[int, ...]
     inner_bytes: int
+    labels: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         if self.outer < 1 or self.inner_bytes < 1 or not self.groups:
@@ -83,38 +86,51 @@ class ShardSpec:
             )
         if any(g < 1 for g in self.groups):
             raise LayoutError(f"ShardSpec groups must be positive, got {self.groups}")
+        if self.labels and len(self.labels) != len(self.groups):
+            raise LayoutError(f"ShardSpec labels {self.labels} do not name its {len(self.groups)} "
+                              f"groups {self.groups}")
 
     @classmethod
     def axis(
-        cls, *, outer: int = 1, axis: int, inner_bytes: int, groups: tuple[int, ...] | None = None
+        cls, *, outer: int = 1, axis: int, inner_bytes: int, groups: tuple[int, ...] | None = None,
+        labels: tuple[str, ...] = (),
     ) -> ShardSpec:
         """Build from a global axis length (optionally split into ``groups``)."""
         if groups is not None and sum(groups) != axis:
             raise LayoutError(f"ShardSpec groups {groups} sum to {sum(groups)}, not axis {axis}")
         return cls(
-            outer=outer, groups=tuple(groups) if groups else (axis,), inner_bytes=inner_bytes
+            outer=outer, groups=tuple(groups) if groups else (axis,), inner_bytes=inner_bytes,
+            labels=labels,
         )
 
     def ranges(self, tp_rank: int, tp_size: int) -> tuple[GroupRange, ...]:
-        """The global range of every group that rank ``tp_rank`` of ``tp_size`` holds."""
+        """The global range of every group that rank ``tp_rank`` of ``tp_size`` holds.
+        Raises :class:`LayoutError` naming the group, its length and the arithmetic when
+        ``tp_size`` neither splits a group evenly nor replicates it evenly."""
         out = []
-        for g in self.groups:
+        for i, g in enumerate(self.groups):
             if tp_size <= g:
                 if g % tp_size:
-                    raise LayoutError(
-                        f"sharded group of length {g} does not split evenly over TP {tp_size}"
-                    )
+                    raise LayoutError(f"{self._what(i)} cannot be split evenly over TP "
+                                      f"{tp_size} ({g} = {g // tp_size} x {tp_size} + "
+                                      f"{g % tp_size})")
                 n = g // tp_size
                 out.append(GroupRange(tp_rank * n, n, 1, 0))
             else:
                 if tp_size % g:
-                    raise LayoutError(
-                        f"TP {tp_size} is not a multiple of the group length {g}, so the group "
-                        f"cannot be replicated evenly (GQA needs tp % heads == 0)"
-                    )
+                    raise LayoutError(f"{self._what(i)} cannot be replicated evenly over TP "
+                                      f"{tp_size}: each rank holds one, so TP must be a "
+                                      f"multiple of {g} ({tp_size} = {tp_size // g} x {g} + "
+                                      f"{tp_size % g})")
                 rep = tp_size // g
                 out.append(GroupRange(tp_rank // rep, 1, rep, tp_rank % rep))
         return tuple(out)
+
+    def _what(self, i: int) -> str:
+        """Group ``i`` in words: ``16 k channels (group 1 of [16, 16, 32])``."""
+        g = self.groups[i]
+        what = f"{g} {self.labels[i]}" if self.labels else f"a sharded group of length {g}"
+        return what if len(self.groups) == 1 else f"{what} (group {i} of {list(self.groups)})"
 
     def local_item_bytes(self, tp_rank: int, tp_size: int) -> int:
         """Bytes of one item on that rank."""
@@ -284,7 +300,9 @@ class Layout:
     each tensor is its own region. Every tensor must lie inside one region.
     ``identity`` is what an engine says both sides must share beyond shapes, as
     ``(field, value)`` pairs (model, dtype, block size, …); the handshake refuses a
-    pair whose identities differ, naming each field and both values.
+    pair whose identities differ, naming each field and both values. ``model`` is what
+    the engine calls the model, for messages only (not compared, hashed or sent): a
+    refusal of this layout names it.
     """
 
     page_size: int
@@ -296,6 +314,7 @@ class Layout:
     components: tuple[Component, ...] = ()
     regions: tuple[Region, ...] = ()
     identity: tuple[tuple[str, str], ...] = ()
+    model: str = field(default="", compare=False)
     _hash: int = field(init=False, repr=False, compare=False, default=0)
     _signature: str = field(init=False, repr=False, compare=False, default="")
     _model_signature: str = field(init=False, repr=False, compare=False, default="")
@@ -340,14 +359,19 @@ class Layout:
         )
 
     def _check_tensor(self, c: Component, t: TensorSpec) -> None:
-        where = f"component {c.name!r} tensor {t.name!r} (layer {t.layer_id})"
+        where = f"{self.model + ': ' if self.model else ''}component {c.name!r} tensor " \
+                f"{t.name!r} (layer {t.layer_id})"
         lo, hi = self.layers
         if t.layer_id != NO_LAYER and not lo <= t.layer_id < hi:
             raise LayoutError(
                 f"{where}: layer {t.layer_id} is outside this rank's layers {lo}..{hi}"
             )
         if t.shard is not None and not t.elided:
-            want = t.shard.local_item_bytes(self.tp_rank, self.tp_size)
+            try:
+                want = t.shard.local_item_bytes(self.tp_rank, self.tp_size)
+            except LayoutError as e:
+                raise LayoutError(f"{where} at TP rank {self.tp_rank} of {self.tp_size}: {e}"
+                                  ) from None
             if want != t.item_bytes:
                 s = t.shard
                 local = [r.length for r in s.ranges(self.tp_rank, self.tp_size)]

@@ -207,19 +207,22 @@ def kda_conv(proj: int, proj_k: int) -> ConvSplit:
     return ConvSplit(kind=ConvKind.KDA, blocks=(proj, proj_k, proj_k))
 
 
-def conv_shard(split: ConvSplit, *, channel_bytes: int, outer_rows: int = 1) -> ShardSpec:
+def conv_shard(split: ConvSplit, *, channel_bytes: int, outer_rows: int = 1,
+               labels: tuple[str, ...] = ()) -> ShardSpec:
     """The ShardSpec of one conv slot: ``outer_rows`` rows of ``split``'s channels,
     ``channel_bytes`` per channel in a row. A ``(channels, K-1)`` slot is one row of
     channels of ``(K-1)·dtype`` bytes each; a transposed ``(K-1, channels)`` slot is
-    ``K-1`` rows of ``dtype``-byte channels."""
+    ``K-1`` rows of ``dtype``-byte channels. ``labels`` name the blocks in a refusal."""
     if channel_bytes < 1 or outer_rows < 1:
         raise LayoutError(f"{split.kind.value} conv: channel bytes {channel_bytes} and outer "
                           f"rows {outer_rows} must be positive")
-    return ShardSpec(outer=outer_rows, groups=split.blocks, inner_bytes=split.unit * channel_bytes)
+    return ShardSpec(outer=outer_rows, groups=split.blocks, inner_bytes=split.unit * channel_bytes,
+                     labels=labels)
 
 
-def ssm_shard(heads: int, head_bytes: int) -> ShardSpec:
+def ssm_shard(heads: int, head_bytes: int, label: str = "SSM heads") -> ShardSpec:
     """The ShardSpec of one SSM / temporal slot: ``heads`` (global) along its first axis,
-    ``head_bytes`` each (Mamba1: ``d_inner`` rows of ``state`` values)."""
-    return ShardSpec(outer=1, groups=(heads,), inner_bytes=head_bytes)
+    ``head_bytes`` each (Mamba1: ``d_inner`` rows of ``state`` values); ``label`` names
+    them in a refusal."""
+    return ShardSpec(outer=1, groups=(heads,), inner_bytes=head_bytes, labels=(label,))
 

@@ -27,11 +27,12 @@ Rendezvous (:mod:`.registry`)
     ``registry_app``: kvhandoff's registry, for an engine's own HTTP server to host.
 Odds and ends
     ``Transport``, ``CUDA_STAGED_ONLY`` (transports that move host memory only),
-    ``coalesce_runs`` (sorted ids as runs), ``HandshakeError``, ``LocalProtocolError``.
+    ``coalesce_runs`` (sorted ids as runs), ``HandshakeError``, ``LeaseExpired``,
+    ``LocalProtocolError``.
 """
 
 from kvhandoff.binding import RequestKey
-from kvhandoff.errors import HandshakeError, LocalProtocolError
+from kvhandoff.errors import HandshakeError, LeaseExpired, LocalProtocolError
 from kvhandoff.integrations.hooks import HandoffHook, load_hook
 from kvhandoff.integrations.outcomes import (
     KVPOLL,
@@ -70,6 +71,7 @@ __all__ = [
     "HandoffHook",
     "HandshakeError",
     "How",
+    "LeaseExpired",
     "LocalProtocolError",
     "Outcome",
     "Placement",

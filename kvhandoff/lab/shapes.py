@@ -273,6 +273,17 @@ class ModelShape:
         return self.conv_split.blocks
 
     @property
+    def conv_labels(self) -> tuple[str, ...]:
+        """What each of :attr:`conv_groups` counts, for refusals (none for KDA)."""
+        if self.has(LayerKind.GDN):
+            return ("q channels", "k channels", "v channels")
+        if self.has(LayerKind.KDA):
+            return ()
+        if self.has(*_M1):
+            return ("d_inner channels",)
+        return ("x channels", "B channels", "C channels")
+
+    @property
     def ssm_heads(self) -> int:
         """Length of the SSM state's sharded axis (Mamba1: d_inner rows)."""
         if self.has(*_M1):
@@ -565,30 +576,29 @@ def layout_for(
             )
         sp = swa_page_size if swa_page_size is not None else min(64, page_size)
         comps += b.dsv4(mine, last, page_size, num_pages, sp, swa_pages, num_slots, spec_decode)
+
+    def add(kind: StateType, name: str, build: Callable[[], list[TensorSpec]]) -> None:
+        b.component = name  # what a refusal while building it names
+        comps.append(Component(type=kind, name=name, tensors=tuple(build())))
+
     if shape.has(*_MHA):
-        comps.append(Component(type=StateType.KV, name="kv", tensors=tuple(
-            b.mha(shape.layer_ids(*_MHA), mine, page_size, num_pages))))
+        add(StateType.KV, "kv", lambda: b.mha(shape.layer_ids(*_MHA), mine, page_size, num_pages))
     if shape.has(LayerKind.MLA):
-        comps.append(Component(type=StateType.MLA, name="kv", tensors=tuple(
-            b.mla(shape.layer_ids(LayerKind.MLA), mine, page_size, num_pages))))
+        add(StateType.MLA, "kv",
+            lambda: b.mla(shape.layer_ids(LayerKind.MLA), mine, page_size, num_pages))
         if shape.index_row_bytes:
-            comps.append(Component(type=StateType.NSA, name="nsa", tensors=tuple(
-                b.nsa(mine, page_size, num_pages))))
+            add(StateType.NSA, "nsa", lambda: b.nsa(mine, page_size, num_pages))
     if shape.has(*_SWA):
-        comps.append(Component(type=StateType.SWA, name="swa", tensors=tuple(
-            b.mha(shape.layer_ids(*_SWA), mine, page_size, swa_pages))))
+        add(StateType.SWA, "swa", lambda: b.mha(shape.layer_ids(*_SWA), mine, page_size, swa_pages))
     if shape.has(*_LINEAR):
-        comps.append(Component(type=StateType.MAMBA, name="mamba", tensors=tuple(
-            b.mamba(mine, num_slots))))
+        add(StateType.MAMBA, "mamba", lambda: b.mamba(mine, num_slots))
     if shape.has(LayerKind.SHORT_CONV, *_CONV_BANK):
-        comps.append(Component(type=StateType.SHORT_CONV, name="short_conv", tensors=tuple(
-            b.short_conv(mine, num_slots))))
-    comps.append(Component(type=StateType.AUX, name="aux", tensors=(
-        b.tensor("aux", NO_LAYER, shape.aux_row_bytes, num_slots),)))
+        add(StateType.SHORT_CONV, "short_conv", lambda: b.short_conv(mine, num_slots))
+    add(StateType.AUX, "aux", lambda: [b.tensor("aux", NO_LAYER, shape.aux_row_bytes, num_slots)])
     return Layout(
         page_size=page_size, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
         layers=(lo, hi + (shape.dsv4_draft_layers if last else 0)), components=tuple(comps),
-        identity=_identity(shape),
+        identity=_identity(shape), model=shape.name,
     )
 
 
@@ -601,6 +611,13 @@ def _identity(shape: ModelShape) -> tuple[tuple[str, str], ...]:
     return ()
 
 
+def _some(layers: list[int]) -> str:
+    """Layer ids for a message: all of a few, else the first ones and the count."""
+    if len(layers) <= 4:
+        return ", ".join(map(str, layers))
+    return f"{layers[0]}, {layers[1]}, … {layers[-1]} ({len(layers)} layers)"
+
+
 def _dtype(nbytes: int) -> str:
     return {1: "fp8", 2: "bf16", 4: "fp32"}.get(nbytes, f"{nbytes}B")
 
@@ -610,13 +627,22 @@ class _Builder:
         self.s = shape
         self.alloc = alloc
         self.tp = (tp_rank, tp_size)
+        self.component = ""  # the component being built, for refusals
+
+    def refuse(self, what: str) -> LayoutError:
+        """A refusal naming the model, the component being built, and ``what``."""
+        return LayoutError(f"{self.s.name}: component {self.component!r}: {what}")
 
     def tensor(
         self, name: str, layer: int, item: int, capacity: int, *, rows: int = 1,
         kind: RowKind = RowKind.ITEM, shard: ShardSpec | None = None, dtype: str = "uint8",
     ) -> TensorSpec:
         if shard is not None:
-            item = shard.local_item_bytes(*self.tp)
+            try:
+                item = shard.local_item_bytes(*self.tp)
+            except LayoutError as e:
+                raise self.refuse(f"tensor {name!r} (layer {layer}) at TP rank {self.tp[0]} "
+                                  f"of {self.tp[1]}: {e}") from None
         nbytes = item * capacity
         return TensorSpec(
             name=name, layer_id=layer, ptr=self.alloc(nbytes) if nbytes else 0, nbytes=nbytes,
@@ -631,7 +657,8 @@ class _Builder:
         def shard(name: str, layer: int) -> ShardSpec:
             heads, kd, vd = s.kv_geometry(layer)
             return ShardSpec.axis(outer=page, axis=heads,
-                                  inner_bytes=(kd if name == "k" else vd) * s.kv_dtype_bytes)
+                                  inner_bytes=(kd if name == "k" else vd) * s.kv_dtype_bytes,
+                                  labels=("KV heads",))
 
         return [self.tensor(n, layer, 0, pages, rows=page, kind=RowKind.TOKEN,
                             shard=shard(n, layer), dtype=_dtype(s.kv_dtype_bytes))
@@ -660,15 +687,27 @@ class _Builder:
         """All conv slots, then all SSM slots (sglang's tensor-major order)."""
         s = self.s
         layers = [i for i in s.layer_ids(*_LINEAR) if i in mine]
-        rows, c = s.conv_kernel - 1, s.conv_dtype_bytes
-        conv = (conv_shard(s.conv_split, channel_bytes=c, outer_rows=rows)  # (K-1, channels)
-                if s.has(LayerKind.KDA) else conv_shard(s.conv_split, channel_bytes=rows * c))
-        if s.has(*_M2) and self.tp[1] > s.mamba_groups:
-            raise LayoutError(
-                f"{s.name}: TP {self.tp[1]} exceeds the {s.mamba_groups} Mamba2 groups; padded "
-                f"replicated groups are not modelled"
-            )
-        ssm = ssm_shard(s.ssm_heads, s.ssm_head_bytes)
+        rows, c, labels = s.conv_kernel - 1, s.conv_dtype_bytes, s.conv_labels
+        conv = (conv_shard(s.conv_split, channel_bytes=c, outer_rows=rows,  # (K-1, channels)
+                           labels=labels)
+                if s.has(LayerKind.KDA)
+                else conv_shard(s.conv_split, channel_bytes=rows * c, labels=labels))
+        tp = self.tp[1]
+        if s.has(*_M2) and tp > s.mamba_groups:
+            raise self.refuse(
+                f"Mamba2 layers {_some(layers)}: TP {tp} exceeds the {s.mamba_groups} B/C "
+                f"groups of the conv [x | B | C]; padded, replicated groups are not modelled")
+        if s.has(LayerKind.GDN) and (s.linear_k_heads % tp or s.linear_v_heads % tp):
+            # vLLM and SGLang run num_heads / TP whole heads per rank (sglang's CPU path
+            # pads the heads instead): none cuts a key head's channels across ranks
+            raise self.refuse(
+                f"gated delta net layers {_some(layers)}: {s.linear_k_heads} key heads and "
+                f"{s.linear_v_heads} value heads do not split into whole heads over TP {tp} "
+                f"(key heads % TP = {s.linear_k_heads % tp}, value heads % TP = "
+                f"{s.linear_v_heads % tp}); vLLM and SGLang shard the conv's q | k | v and "
+                f"the SSM state by whole heads, so no engine keeps a state split this way")
+        ssm = ssm_shard(s.ssm_heads, s.ssm_head_bytes,
+                        "d_inner rows" if s.has(*_M1) else "SSM heads")
         return ([self.tensor("conv", i, 0, slots, shard=conv, dtype=_dtype(s.conv_dtype_bytes))
                  for i in layers]
                 + [self.tensor("ssm", i, 0, slots, shard=ssm, dtype=_dtype(s.ssm_dtype_bytes))
@@ -684,7 +723,8 @@ class _Builder:
         out = []
         if s.has(LayerKind.SHORT_CONV):
             conv = ShardSpec.axis(axis=s.short_conv_channels,
-                                  inner_bytes=(s.short_conv_kernel - 1) * s.conv_dtype_bytes)
+                                  inner_bytes=(s.short_conv_kernel - 1) * s.conv_dtype_bytes,
+                                  labels=("conv channels",))
             out += [self.tensor("conv", i, 0, slots, shard=conv, dtype=dtype)
                     for i in s.layer_ids(LayerKind.SHORT_CONV) if i in mine]
         for c in s.layer_convs:  # tensor-major, like the mamba component
@@ -697,7 +737,7 @@ class _Builder:
                     continue
                 heads, kd, vd = s.kv_geometry(i)
                 shard = ShardSpec.axis(axis=heads, inner_bytes=(
-                    kd if c.input is ConvInput.KEYS else vd) * width)
+                    kd if c.input is ConvInput.KEYS else vd) * width, labels=("KV heads",))
                 out.append(self.tensor(c.name, i, 0, slots, shard=shard, dtype=dtype))
         return out
 

@@ -90,7 +90,8 @@ def record(f: Figures, child: Callable[[Series, tuple[str, ...]], Child]) -> Non
 
 EVENTS = {"rehandshake": "kvhandoff_rehandshakes",
           "checksum_mismatch": "kvhandoff_checksum_mismatches",
-          "refused_write": "kvhandoff_refused_writes"}
+          "refused_write": "kvhandoff_refused_writes",
+          "lease_expired": "kvhandoff_leases_expired"}
 """A request side's notable events → the counter each goes to."""
 
 
@@ -161,6 +162,10 @@ class HandoffMetrics:
             "refused_write": Counter(EVENTS["refused_write"], "Writes the receiver refused "
                                      "for landing outside its registered memory", base,
                                      registry=r),
+            "lease_expired": Counter(EVENTS["lease_expired"], "Requests prefill finished "
+                                     "and freed because no decode claimed them within the "
+                                     "lease (also in kvhandoff_failures, reason "
+                                     "LeaseExpired)", base, registry=r),
         }
         self.setup = Histogram("kvhandoff_peer_setup_seconds", "Decode reaching a prefill "
                                "group, once per group: the bootstrap lookup, then the "

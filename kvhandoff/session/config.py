@@ -15,6 +15,10 @@ Timeouts, in seconds (default in brackets), and what each bounds:
   (bootstrap lookup + handshakes). Prefill: registering with the bootstrap server.
 * ``indices_timeout`` [300] — prefill: from ``Sender(...)`` until every decode rank's
   TransferInit (its destination indices) has arrived.
+* ``lease`` [30] — prefill: from the last chunk handed over (prefill is done, its memory
+  held only for decode) until every decode rank's TransferInit has arrived; then the
+  request fails with ``LeaseExpired`` and its memory may be freed. A client that hangs up
+  between the prefill and the decode hop costs prefill this long, not ``indices_timeout``.
 * ``waiting_timeout`` [300] — decode: from sending TransferInit until the first chunk status
   (prefill may be queueing or computing a long prompt).
 * ``transfer_timeout`` [60] — prefill: one chunk's writes; decode: the longest gap between two
@@ -22,7 +26,10 @@ Timeouts, in seconds (default in brackets), and what each bounds:
 * ``release_timeout`` [30] — decode: after a failure, how long to wait for every prefill
   rank's AbortAck before declaring the destination pages reusable anyway (reported).
 * ``heartbeat_interval`` [1] / ``heartbeat_timeout`` [5] — peers with live requests are pinged
-  every interval; one silent for the timeout is declared lost and its requests fail.
+  every interval; one silent for the timeout whose control link is down too (its process
+  died or froze: libzmq's own heartbeats, which a busy peer still answers, went
+  unanswered) is declared lost and its requests fail. One silent with its link up is
+  busy: lost only after 12 timeouts (``liveness.book.BUSY_FACTOR``).
 
 Observability (:mod:`kvhandoff.observe`): ``metrics`` [on] counts every finished request in
 the process's Prometheus metrics; ``metrics_port`` (``KVHANDOFF_METRICS_PORT``)
@@ -57,18 +64,19 @@ ENV_PREFIX = "KVHANDOFF_"
 
 _INSTANCE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 
-TIMEOUT_FIELDS = ("bootstrap_timeout", "indices_timeout", "waiting_timeout", "transfer_timeout",
-                  "release_timeout", "heartbeat_interval", "heartbeat_timeout")
+TIMEOUT_FIELDS = ("bootstrap_timeout", "indices_timeout", "lease", "waiting_timeout",
+                  "transfer_timeout", "release_timeout", "heartbeat_interval", "heartbeat_timeout")
 """The knobs in seconds, each a ``--flag`` of :func:`add_timeout_arguments`."""
 
 _TIMEOUT_HELP = {
     "bootstrap_timeout": "decode: bootstrap lookup and handshakes; prefill: registering",
     "indices_timeout": "prefill: wait for every decode rank's destination indices",
+    "lease": "prefill: once a request is computed, wait this long for decode to claim it",
     "waiting_timeout": "decode: wait from sending its indices to the first chunk",
     "transfer_timeout": "one chunk's writes; decode: longest gap between chunk statuses",
     "release_timeout": "decode, after a failure: wait for prefill's AbortAcks",
     "heartbeat_interval": "ping peers with live requests this often",
-    "heartbeat_timeout": "a peer silent this long is declared lost",
+    "heartbeat_timeout": "a peer silent this long, its control link down, is declared lost",
 }
 
 
@@ -84,6 +92,7 @@ class SessionConfig:
     instance: str = "default"  # prefill deployment name (bootstrap key); decode label
     bootstrap_timeout: float = 30.0
     indices_timeout: float = 300.0
+    lease: float = 30.0
     waiting_timeout: float = 300.0
     transfer_timeout: float = 60.0
     release_timeout: float = 30.0

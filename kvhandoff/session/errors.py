@@ -9,6 +9,7 @@ re-exports the session's branch under its historical path (the same objects)::
         ├── BootstrapFailed            the prefill ranks could not be found in time
         ├── PeerLost                   a control peer went silent or its transport died
         ├── RequestTimeout             a request spent too long in one state
+        │   └── LeaseExpired           prefill freed a finished request no decode claimed
         ├── RequestAborted             the engine (or the peer's engine) aborted it
         ├── TransferFailed             a write failed, or the peer reported a failure
         │   ├── ChecksumMismatch       destination bytes differ from what was sent
@@ -32,6 +33,7 @@ from kvhandoff.errors import (
     BootstrapFailed,
     ChecksumMismatch,
     HandshakeError,
+    LeaseExpired,
     PeerLost,
     RequestAborted,
     RequestRejected,
@@ -46,6 +48,7 @@ __all__ = [
     "BootstrapFailed",
     "ChecksumMismatch",
     "HandshakeError",
+    "LeaseExpired",
     "PeerLost",
     "RequestAborted",
     "RequestRejected",

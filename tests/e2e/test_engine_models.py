@@ -361,3 +361,21 @@ def test_conv_split_is_the_familys_own(family: str) -> None:
                                    decode_tp=d, chunk=6, max_new_tokens=6)
         assert result.ok, [(r.disaggregated, r.colocated, r.state_diff)
                            for r in result.requests]
+
+
+@pytest.mark.parametrize(("arch", "prefill_tp", "decode_tp", "parts"), [
+    ("qwen3_next", 1, 8, ("qwen3_next: component 'mamba': gated delta net layers 0, 2: ",
+                          "4 key heads and 8 value heads do not split into whole heads over "
+                          "TP 8")),
+    ("llama", 3, 1, ("llama: component 'kv': tensor 'k' (layer 0) at TP rank 0 of 3: ",
+                     "2 KV heads cannot be replicated evenly over TP 3")),
+])
+def test_a_tp_the_model_cannot_split_is_refused_at_start_up_naming_it(
+        arch: str, prefill_tp: int, decode_tp: int, parts: tuple[str, ...]) -> None:
+    """The reference engine refuses before its first request, naming the model, the
+    component, the layers and the numbers (the engine's layouts are the named shapes')."""
+    from kvhandoff.lab.engine.run import start
+
+    with pytest.raises(LayoutError) as e:
+        start(arch, [9], prefill_tp=prefill_tp, decode_tp=decode_tp)
+    assert all(p in str(e.value) for p in parts), str(e.value)

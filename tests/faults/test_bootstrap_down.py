@@ -4,7 +4,6 @@ each request with the reason after bootstrap_timeout; nothing leaks."""
 from __future__ import annotations
 
 import socket
-import time
 
 import pytest
 
@@ -34,12 +33,10 @@ def test_prefill_cannot_start_without_bootstrap(instance: str) -> None:
 def test_decode_request_fails_after_bootstrap_timeout(instance: str) -> None:
     dst = layout_of(TOPO, DECODE, 0, 0, Arena((0, 1, 0, 0, 0)))
     with Agent.decode(dst, config=config(instance, bootstrap_timeout=1.0)) as d:
-        t0 = time.monotonic()
         r = Receiver(d, _dead_url(), 1)
         assert r.wait(10) is Status.FAILED
         assert isinstance(r.error, BootstrapFailed)
         assert "not found within bootstrap_timeout" in str(r.error)
-        assert time.monotonic() - t0 < 4
         assert r.released and d.live_requests == 0
 
 

@@ -6,14 +6,13 @@ never a wait for indices_timeout."""
 from __future__ import annotations
 
 import socket
-import time
 
 import zmq
 
 from kvhandoff.bootstrap.server import BootstrapServer
 from kvhandoff.lab.testing.fixtures import OPEN
 from kvhandoff.lab.testing.rig import Rig
-from kvhandoff.protocol import RankId, TransferInit, encode_message
+from kvhandoff.protocol import Heartbeat, RankId, TransferInit, decode_message, encode_message
 from kvhandoff.session import PeerLost, Status
 from kvhandoff.session.peers.decode_ranks import DecodePeer
 from kvhandoff.transport.errors import PeerLost as TransportPeerLost
@@ -72,32 +71,70 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _indices_from(ctx: zmq.Context[zmq.Socket[bytes]], ghost: str, rig: Rig,
+                  instance: str) -> None:
+    """Send request 1's indices to prefill as a decode rank at control endpoint
+    ``ghost`` that prefill never handshook, and wait for prefill's answer (asking it to
+    handshake again)."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTING_ID, ghost.encode())
+    sock.connect(rig.prefill.endpoint)
+    rank = RankId(instance=instance, dp_rank=0, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
+    sock.send(encode_message(TransferInit(request_id=1, rank=rank, indices={})))
+    assert sock.poll(60_000), "no answer to the indices"
+
+
 def test_indices_from_an_unknown_rank_that_goes_silent_fail_the_request(
         open_bootstrap: BootstrapServer, instance: str) -> None:
     """A decode rank prefill does not know (dropped, or never handshaken) sends indices
     and is asked to handshake again; it never does and answers no heartbeat: the
-    request fails within the heartbeat timeout, not indices_timeout. (An open
+    request fails on the heartbeat (nothing listens there: its link is down), not on
+    indices_timeout (10 minutes: the bounded wait ends long before). (An open
     deployment: the ghost speaks without the secret.)"""
-    rig = Rig(open_bootstrap.url, instance, prefill_cfg={**OPEN, "indices_timeout": 60.0},
+    rig = Rig(open_bootstrap.url, instance, prefill_cfg={**OPEN, "indices_timeout": 600.0},
               decode_cfg=OPEN)
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
     try:
         s = rig.sender(rig.plan(1))[0]
         ghost = f"tcp://127.0.0.1:{_free_port()}"  # nothing will answer there
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.ROUTING_ID, ghost.encode())
-        sock.connect(rig.prefill.endpoint)
-        rank = RankId(instance=instance, dp_rank=0, tp_rank=0, tp_size=1, pp_rank=0,
-                      pp_size=1)
-        sock.send(encode_message(TransferInit(request_id=1, rank=rank, indices={})))
-        assert sock.poll(5000), "no answer to the indices"
-        t0 = time.monotonic()
-        assert s.wait(10) is Status.FAILED
-        assert time.monotonic() - t0 < 10  # the heartbeat (1 s), not indices_timeout (60 s)
+        _indices_from(ctx, ghost, rig, instance)
+        assert s.wait(120) is Status.FAILED
         assert "asked to handshake again" in str(s.reason), s.reason
-        assert ghost in str(s.reason)
+        assert ghost in str(s.reason) and "control link is down" in str(s.reason)
     finally:
-        sock.close()
-        ctx.term()
+        ctx.destroy(linger=0)  # every socket, also after a failed assert
+        rig.close()
+
+
+def test_a_rank_whose_process_answers_but_not_its_python_is_busy_not_lost(
+        open_bootstrap: BootstrapServer, instance: str) -> None:
+    """The same unknown rank, but its process is alive: a ROUTER is bound at its endpoint
+    (libzmq answers the link's own heartbeats) and never answers ours, as a peer whose
+    interpreter is starved. Prefill keeps the request, busy not lost, while its pings go
+    unanswered for many heartbeat timeouts; when the process goes (the socket closes),
+    the link drops and the request fails naming it. (Open, as above.)"""
+    rig = Rig(open_bootstrap.url, instance, prefill_cfg={**OPEN, "indices_timeout": 600.0},
+              decode_cfg=OPEN)
+    hb_timeout = rig.prefill_cfg.heartbeat_timeout
+    ctx = zmq.Context()
+    try:
+        s = rig.sender(rig.plan(1))[0]
+        busy = ctx.socket(zmq.ROUTER)
+        busy.setsockopt(zmq.LINGER, 0)
+        ghost = f"tcp://127.0.0.1:{busy.bind_to_random_port('tcp://127.0.0.1')}"
+        _indices_from(ctx, ghost, rig, instance)
+        pings = 0
+        while pings < 3:  # prefill pings the rank it waits on: none is answered
+            assert busy.poll(60_000), "prefill does not ping the rank it waits on"
+            _, frame = busy.recv_multipart()
+            pings += isinstance(decode_message(frame), Heartbeat)
+        # silent at our level for well past heartbeat_timeout, alive at the link's
+        assert s.wait(3 * hb_timeout) is Status.BOOTSTRAPPING, s.reason
+        busy.close()  # the process goes: its link drops
+        assert s.wait(120) is Status.FAILED
+        assert isinstance(s.error, PeerLost) and ghost in str(s.reason)
+        assert "control link is down" in str(s.reason), s.reason
+    finally:
+        ctx.destroy(linger=0)  # every socket, also after a failed assert
         rig.close()

@@ -4,7 +4,7 @@ mid-transfer, and a dead decode peer that must not poison the others.
 Prefill (TP 2) and decode (TP 1) run in separate worker processes with a real bootstrap
 server, over tcp and (a subset, to bound the run time) every other transport usable
 here. Every run ends with each surviving side's requests in the right status with the
-right reason, soon (within the heartbeat timeout plus a generous margin), decode's
+right reason (the fault noticed, not waited out: no other timeout named), decode's
 destination pages released (and, after an abort while writes may be in flight, reused
 pages not overwritten), every byte outside the failed requests' destinations unchanged,
 no live request left on a surviving agent (nor, on prefill, a dead decode rank), and no
@@ -24,6 +24,7 @@ import pytest
 from kvhandoff.bootstrap.server import BootstrapServer
 from kvhandoff.lab.testing.handoff import RequestPlan, Scenario, Topology
 from kvhandoff.lab.testing.sides import (
+    PATIENCE,
     Outcome,
     RunResult,
     SideReport,
@@ -31,6 +32,7 @@ from kvhandoff.lab.testing.sides import (
     WorkerPair,
     run_scenario,
 )
+from kvhandoff.session.config import TIMEOUT_FIELDS
 
 _names = itertools.count()
 TOPO = Topology(shape="qwen3_next", prefill_tp=2, decode_tp=1, num_pages=128, num_slots=10)
@@ -52,10 +54,12 @@ def requests(n: int = 3, tokens: int = 40, first_block: int = 0) -> tuple[Reques
 def scenario(faults: dict[str, Any], config: dict[str, Any] | None = None,
              reqs: tuple[RequestPlan, ...] | None = None, instance: str = "",
              transport: str = "tcp") -> Scenario:
+    # every timer the fault should not trip waits PATIENCE: a loaded machine's slowness
+    # must never pass for a fault (the heartbeat tells busy from dead by itself)
     cfg = {"instance": instance or f"proc-{next(_names)}", "heartbeat_timeout": 1.5,
-           "release_timeout": 3.0, **(config or {})}
+           "release_timeout": PATIENCE, **(config or {})}
     return Scenario(topo=TOPO, requests=reqs or requests(), config=cfg, faults=faults,
-                    timeout=30.0, transport=transport)
+                    timeout=PATIENCE, transport=transport)
 
 
 def failed(outcomes: list[Outcome], *words: str) -> None:
@@ -65,17 +69,16 @@ def failed(outcomes: list[Outcome], *words: str) -> None:
         assert o.reason and any(w in o.reason for w in words), o
 
 
-MARGIN = 10.0  # seconds on top of a failure's own timeout: the machine is noisy
-QUICK_LIMIT = 20.0  # transfer_timeout in the harness (sides.config_of): never wait for it
-
-
-def quickly(outcomes: list[Outcome], scn: Scenario, *timeouts: str) -> None:
-    """Every outcome came within the named config timeouts (heartbeat_timeout when none
-    is named) plus :data:`MARGIN`: the fault was noticed, not waited out."""
-    limit = sum(float(scn.config[t]) for t in timeouts or ("heartbeat_timeout",)) + MARGIN
-    assert limit < QUICK_LIMIT
-    slow = [o for o in outcomes if o.seconds > limit]
-    assert not slow, f"slower than {limit:g} s: {slow}"
+def noticed(outcomes: list[Outcome], *timeouts: str) -> None:
+    """Every failure came from noticing the fault, not from waiting it out: no reason
+    names a session timeout but ``timeouts`` (``heartbeat_timeout`` when none is
+    named). Load-independent, unlike a bound on the seconds it took: a slow machine
+    makes a request slower, never its reason different (and each driver's wait is
+    bounded by the scenario's timeout, so a fault nobody notices still fails the run)."""
+    allowed = set(timeouts or ("heartbeat_timeout",))
+    for o in outcomes:
+        named = {t for t in TIMEOUT_FIELDS if t in (o.reason or "")}
+        assert named <= allowed, f"waited out ({', '.join(sorted(named))}), not noticed: {o}"
 
 
 def no_live(report: SideReport, decode_peers: int | None = None) -> None:
@@ -141,11 +144,11 @@ def test_abort(workers: WorkerPair, transport: str, side: str, state: str,
         failed(res.decode.outcomes, "abort")
         if (side, state) == ("decode", "bootstrapping"):  # decode never reached prefill
             failed(res.prefill.outcomes, "indices_timeout")
-            quickly(res.prefill.outcomes, scn, "indices_timeout")
+            noticed(res.prefill.outcomes, "indices_timeout")
         else:
             failed(res.prefill.outcomes, "abort")
-            quickly(res.prefill.outcomes, scn)
-        quickly(res.decode.outcomes, scn)
+            noticed(res.prefill.outcomes)
+        noticed(res.decode.outcomes)
         # the abort found the request in the named state: on every rank, or (prefill
         # TP 2) on the rank that aborted first, the other's already failed by decode
         aborting = res.decode if side == "decode" else res.prefill
@@ -175,7 +178,7 @@ def test_decode_killed_mid_transfer(workers: WorkerPair, transport: str) -> None
         assert not res.prefill.problems, res.prefill.problems
         failed(res.prefill.outcomes, "silent", "lost", "closed", "reset", "EOF", "Disconnect")
         assert all("decode" in (o.reason or "") for o in res.prefill.outcomes)
-        quickly(res.prefill.outcomes, scn)
+        noticed(res.prefill.outcomes)
         no_live(res.prefill)
         assert res.prefill_leaks == NO_LEAKS
         assert srv.registry.health().ranks == 0  # prefill survived: it deregistered
@@ -187,14 +190,14 @@ def test_prefill_killed_mid_transfer(workers: WorkerPair, transport: str) -> Non
     with BootstrapServer() as srv:  # the dead ranks' registrations stay behind: own server
         p, d = workers.get()
         scn = scenario({"prefill_exit": "transferring", "chunk_delay": 0.15},
-                       transport=transport)
+                       {"release_timeout": 3.0}, transport=transport)
         res = run_scenario(scn, srv.url, p, d)
         assert res.prefill.problems == ["prefill worker gave no report"]
         assert not res.decode.problems, res.decode.problems
         failed(res.decode.outcomes, "silent")
         for o in res.decode.outcomes:
             assert o.released and "release_timeout" in o.release_reason, o
-        quickly(res.decode.outcomes, scn, "heartbeat_timeout", "release_timeout")
+        noticed(res.decode.outcomes, "heartbeat_timeout", "release_timeout")
         no_live(res.decode)
         assert res.decode_leaks == NO_LEAKS
 
@@ -223,9 +226,9 @@ def test_a_dead_decode_peer_does_not_poison_the_others(workers: WorkerPair,
                                      instance=name, transport=transport), srv.url)
             other.run("decode", scenario({}, reqs=healthy, instance=name,
                                          transport=transport), srv.url)
-            good = other.result(90)
-            pre = p.result(90)
-            dead = d.result(30)
+            good = other.result(PATIENCE + 60)
+            pre = p.result(PATIENCE + 60)
+            dead = d.result(PATIENCE)
             # close both sides before any assert, so a failure here leaves no agent
             # behind for the next test's leak report
             leaks = other.close_side(), p.close_side()
@@ -236,7 +239,7 @@ def test_a_dead_decode_peer_does_not_poison_the_others(workers: WorkerPair,
             by_rid = {o.rid: o for o in pre.outcomes if o.rank.endswith("tp0-pp0")}
             assert all(by_rid[rp.rid].status == "success" for rp in healthy)
             assert all(by_rid[rp.rid].status == "failed" for rp in doomed)
-            quickly([o for o in pre.outcomes if o.rid in {rp.rid for rp in doomed}], both)
+            noticed([o for o in pre.outcomes if o.rid in {rp.rid for rp in doomed}])
             no_live(good)
             no_live(pre)
             assert leaks == (NO_LEAKS, NO_LEAKS)

@@ -3,6 +3,7 @@ tells the peer, and the decode pages are released once the peer confirms."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 
@@ -10,7 +11,9 @@ import pytest
 
 from kvhandoff.bootstrap.server import BootstrapServer
 from kvhandoff.lab.testing.rig import Rig
+from kvhandoff.observe import report
 from kvhandoff.session import Receiver, RequestAborted, RequestTimeout, Sender, Status
+from kvhandoff.session.errors import LeaseExpired
 
 SHORT = {"indices_timeout": 1.0, "waiting_timeout": 1.0, "transfer_timeout": 1.0}
 
@@ -91,3 +94,39 @@ def test_decode_without_a_sender_is_acked_at_once(bootstrap: BootstrapServer,
     finally:
         rig.close()
     assert rig.prefill.live_requests == 0 and rig.decode.live_requests == 0
+
+
+def test_a_request_no_decode_claims_is_freed_on_the_lease(
+        bootstrap: BootstrapServer, instance: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Prefill computed a request and handed over its last chunk, and the client hung up
+    before the decode hop: no decode ever sends indices. The Sender fails with
+    LeaseExpired and settles (its memory is the engine's to free) on the lease, not on
+    indices_timeout (120 s, never reached), is counted and logged once; a decode that
+    comes after all is told at once instead of waiting out its own timeout."""
+    metrics = report.process_metrics().registry
+    labels = {"role": "prefill", "transport": "tcp"}
+
+    def counted() -> tuple[float, float]:
+        return (metrics.get_sample_value("kvhandoff_leases_expired_total", labels) or 0.0,
+                metrics.get_sample_value("kvhandoff_failures_total",
+                                         {**labels, "reason": "LeaseExpired"}) or 0.0)
+
+    before = counted()
+    rig = Rig(bootstrap.url, instance, prefill_cfg={**PATIENT, "lease": 0.5},
+              decode_cfg=PATIENT)
+    try:
+        rp = rig.plan("orphan")
+        s, chunks, state = rig.sender(rp)
+        with caplog.at_level(logging.WARNING, logger="kvhandoff.session.request.sender"):
+            rig.send_all(s, chunks, state)
+            assert s.wait(60) is Status.FAILED and s.wait_settled(60)
+        assert isinstance(s.error, LeaseExpired), s.error
+        assert "no decode claimed it within the 0.5 s lease (got 0 of ?" in str(s.error)
+        late = rig.receiver(rp)
+        assert late.wait(60) is Status.FAILED and "lease" in (late.reason or ""), late.reason
+        assert late.wait_released(60)
+    finally:
+        rig.close()
+    assert counted() == (before[0] + 1, before[1] + 1)
+    said = [r for r in caplog.records if "lease" in r.getMessage()]
+    assert len(said) == 1 and "'orphan'" in said[0].getMessage()

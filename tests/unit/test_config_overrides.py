@@ -31,9 +31,9 @@ from kvhandoff.session.config import (
     timeout_overrides,
 )
 
-DEFAULTS = {"bootstrap_timeout": 30.0, "indices_timeout": 300.0, "waiting_timeout": 300.0,
-            "transfer_timeout": 60.0, "release_timeout": 30.0, "heartbeat_interval": 1.0,
-            "heartbeat_timeout": 5.0}
+DEFAULTS = {"bootstrap_timeout": 30.0, "indices_timeout": 300.0, "lease": 30.0,
+            "waiting_timeout": 300.0, "transfer_timeout": 60.0, "release_timeout": 30.0,
+            "heartbeat_interval": 1.0, "heartbeat_timeout": 5.0}
 TOPO = Topology(shape="qwen3_next", num_pages=32)
 
 

@@ -23,11 +23,10 @@ ROOT = Path(kvhandoff.__file__).parent
 FACE = [
     "CUDA_STAGED_ONLY", "HANDOFF_SERIES", "KVPOLL", "OUTCOMES", "SUCCESS", "Agent",
     "AuxPool", "AuxRows", "AuxSpec", "Figures", "HandoffHook", "HandshakeError", "How",
-    "LocalProtocolError", "Outcome", "Placement", "Receiver", "RequestKey", "Role", "Row",
-    "Sender",
-    "Series", "SessionConfig", "Status", "Transport", "bootstrap_url", "coalesce_runs",
-    "figures", "kvpoll", "load_hook", "measure", "open_rank", "open_transport", "outcome",
-    "placement", "quiet", "record", "registry_app", "route_dp",
+    "LeaseExpired", "LocalProtocolError", "Outcome", "Placement", "Receiver", "RequestKey",
+    "Role", "Row", "Sender", "Series", "SessionConfig", "Status", "Transport", "bootstrap_url",
+    "coalesce_runs", "figures", "kvpoll", "load_hook", "measure", "open_rank",
+    "open_transport", "outcome", "placement", "quiet", "record", "registry_app", "route_dp",
 ]
 
 PUBLIC = {"kvhandoff.integrations", "kvhandoff.layout", "kvhandoff.state_types",

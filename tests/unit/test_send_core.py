@@ -25,6 +25,7 @@ from kvhandoff.protocol import AbortAck, IndexListMsg, Outcome, RankId, Transfer
 from kvhandoff.session import SessionConfig, Status
 from kvhandoff.session.errors import (
     AgentClosed,
+    LeaseExpired,
     PeerLost,
     RequestAborted,
     RequestTimeout,
@@ -149,10 +150,12 @@ def ready(pages: int = 2, ranks: int = 1, *, dst_pages: int | None = None, prefi
 
 
 LAST_STATE = {"mamba": (np.array([0]), 0)}
+NOW = 100.0  # when a test's chunks are handed over: the core's creation time
 
 
 def send(core: SendCore, sh: Shell, pages: list[int], last: bool = False) -> list[object]:
-    return sh.do(core.send(np.array(pages, dtype=np.int64), LAST_STATE if last else None, last))
+    return sh.do(core.send(np.array(pages, dtype=np.int64), LAST_STATE if last else None, last,
+                           now=NOW))
 
 
 # --- the happy paths -------------------------------------------------------------------
@@ -336,7 +339,7 @@ def test_a_failed_write_fails_the_request_and_watches_the_rank() -> None:
 
 def test_a_planning_error_stops_the_other_ranks() -> None:
     core, sh = ready(ranks=2)
-    out = core.send(np.array([0, 1]), LAST_STATE, True)
+    out = core.send(np.array([0, 1]), LAST_STATE, True, now=NOW)
     plan = next(e for e in out if isinstance(e, PlanChunk))
     out = sh.do(core.plan_failed("bad layout"))
     assert not any(isinstance(e, PlanChunk) for e in out)
@@ -346,7 +349,7 @@ def test_a_planning_error_stops_the_other_ranks() -> None:
 
 def test_a_refused_submit_fails_and_settles() -> None:
     core, sh = ready(ranks=2)
-    out = core.send(np.array([0, 1]), LAST_STATE, True)
+    out = core.send(np.array([0, 1]), LAST_STATE, True, now=NOW)
     out = core.planned(64, None, None, "p")
     assert isinstance(out[-1], Write)
     out = sh.do(core.submit_refused("no route"))
@@ -446,7 +449,53 @@ def test_waiting_too_long_for_indices_times_out() -> None:
     assert sh.do(core.tick(104.0)) == []
     sh.do(core.tick(106.0))
     assert isinstance(core.error, RequestTimeout)
-    assert "got 0 of ? TransferInits; init() was never called" in str(core.error)
+    assert "got 0 of ? decode ranks' TransferInits; init() was never called" in str(core.error)
+
+
+def test_a_finished_request_no_decode_claims_is_freed_after_the_lease() -> None:
+    """Prefill handed over its last chunk at 100 (its work is done); no decode sent
+    indices: at 100 + lease it fails with LeaseExpired, counted, and settles (the engine
+    frees its memory) long before indices_timeout."""
+    core, sh = new(config=SessionConfig(indices_timeout=300.0, lease=2.0))
+    sh.do(core.init(2, 5, None))
+    send(core, sh, [0, 1], last=True)
+    assert not core.tick_due(102.0) and sh.do(core.tick(102.0)) == []
+    assert core.tick_due(102.5)
+    out = sh.do(core.tick(102.5))
+    assert isinstance(core.error, LeaseExpired) and core.settled
+    assert any(isinstance(e, Settle) for e in out)
+    assert "no decode claimed it within the 2 s lease (got 0 of ? decode ranks'" \
+        in str(core.error)
+    assert core.events["lease_expired"] == 1
+    assert sh.do(core.tick(110.0)) == [] and core.events["lease_expired"] == 1  # once
+
+
+def test_the_lease_fails_a_partly_claimed_request_and_tells_the_rank_that_claimed() -> None:
+    core, sh = new(config=SessionConfig(indices_timeout=300.0, lease=2.0))
+    sh.do(core.indices(ep(0), decode(0, 2), LAYOUT, init_msg(decode(0, 2))))
+    sh.do(core.init(2, 5, None))
+    send(core, sh, [0, 1], last=True)
+    out = sh.do(core.tick(103.0))
+    assert isinstance(core.error, LeaseExpired) and "got 1 of 2 decode ranks'" in str(core.error)
+    told = posts(out)
+    assert [p.endpoint for p in told] == [ep(0), ep(0)]  # FAILED, then AbortAck
+    assert isinstance(told[0].msg, TransferStatus) and told[0].msg.outcome is Outcome.FAILED
+    assert isinstance(told[1].msg, AbortAck)
+
+
+def test_the_lease_runs_only_once_prefill_is_done_and_decode_has_not_claimed() -> None:
+    # still computing (no last chunk): only indices_timeout applies
+    core, sh = new(config=SessionConfig(indices_timeout=300.0, lease=2.0))
+    sh.do(core.init(2, 5, None))
+    send(core, sh, [0])
+    assert not core.tick_due(250.0) and core.error is None
+    # claimed in time: the lease is over, the request goes on
+    core, sh = new(config=SessionConfig(indices_timeout=300.0, lease=2.0))
+    sh.do(core.init(2, 5, None))
+    send(core, sh, [0, 1], last=True)
+    sh.do(core.indices(ep(), decode(), LAYOUT, init_msg(decode())))
+    assert core.status is Status.WAITING_FOR_INPUT
+    assert not core.tick_due(1e6) and sh.do(core.tick(1e6)) == [] and core.error is None
 
 
 def test_a_tick_knows_without_the_lock_whether_anything_is_due() -> None:
@@ -496,13 +545,13 @@ def test_the_rank_can_fail_a_request(event: str) -> None:
 def test_misuse_is_refused() -> None:
     core, sh = new()
     with pytest.raises(RuntimeError, match="before init"):
-        core.send(np.array([0]), None, False)
+        core.send(np.array([0]), None, False, now=NOW)
     sh.do(core.init(1, 5, None))
     with pytest.raises(RuntimeError, match="called twice"):
         core.init(1, 5, None)
-    sh.do(core.send(np.array([0]), LAST_STATE, True))
+    sh.do(core.send(np.array([0]), LAST_STATE, True, now=NOW))
     with pytest.raises(RuntimeError, match="after the last chunk"):
-        core.send(np.array([0]), None, False)
+        core.send(np.array([0]), None, False, now=NOW)
     with pytest.raises(RuntimeError, match="no question"):
         core.submitted()
 
@@ -529,7 +578,8 @@ def _step(core: SendCore, sh: Shell, name: str, i: int) -> None:
         n = {"chunk": min(1, 2 - sent), "last": 3 - sent, "overrun": 4}[name]
         pages = np.arange(max(n, 0), dtype=np.int64)
         sh.chunks.append(Chunk(pages))
-        sh.do(core.send(pages, LAST_STATE if name == "last" else None, name == "last"))
+        sh.do(core.send(pages, LAST_STATE if name == "last" else None, name == "last",
+                        now=NOW))
     elif name in ("ok", "ok_in_band", "error", "timeout") and sh.open:
         err = None if name.startswith("ok") else TransportError("x")
         sh.end(sh.open[i % len(sh.open)], err, in_band=name == "ok_in_band",

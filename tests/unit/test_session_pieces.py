@@ -14,7 +14,7 @@ from kvhandoff.plan import execute, plan
 from kvhandoff.plan.execute import HostMemory
 from kvhandoff.session import SessionConfig, route_dp
 from kvhandoff.session.peers.mapping import bootstrap_peers, decode_candidates
-from kvhandoff.session.rank.liveness.book import Liveness
+from kvhandoff.session.rank.liveness.book import BUSY_FACTOR, Liveness
 from kvhandoff.session.request import aux as auxmod
 from kvhandoff.session.request.checksum import plan_digests
 from kvhandoff.session.request.chunks import KvCursor
@@ -112,16 +112,43 @@ def test_row_views_of_padded_items_skip_the_padding() -> None:
     assert views.row(t, 3) is None
 
 
-def test_liveness_pings_and_declares_silent_peers_lost() -> None:
+def _down(endpoint: str) -> bool:
+    return False
+
+
+def _up(endpoint: str) -> bool:
+    return True
+
+
+def test_liveness_pings_and_declares_silent_peers_with_a_dead_link_lost() -> None:
     lv = Liveness(interval=1.0, timeout=3.0)
-    ping, lost = lv.tick({"a"}, 10.0)
-    assert ping == ["a"] and not lost
-    assert lv.tick({"a"}, 10.5) == ([], [])
+    ping, lost, busy = lv.tick({"a"}, 10.0, _down)
+    assert ping == ["a"] and not lost and not busy
+    assert lv.tick({"a"}, 10.5, _down) == ([], [], [])
     lv.heard("a", 12.0)
-    assert lv.tick({"a"}, 14.9)[1] == []
-    ping, lost = lv.tick({"a"}, 15.5)
-    assert [e for e, _ in lost] == ["a"]
-    assert lv.tick({"a"}, 15.6)[1] == []  # watching restarts from now
+    assert lv.tick({"a"}, 14.9, _down)[1] == []
+    ping, lost, busy = lv.tick({"a"}, 15.5, _down)
+    assert [(s.endpoint, s.link_up) for s in lost] == [("a", False)] and not busy
+    assert lv.tick({"a"}, 15.6, _down)[1] == []  # watching restarts from now
+
+
+def test_a_silent_peer_whose_link_answers_is_busy_not_lost() -> None:
+    """Silence alone is not death: a peer whose libzmq still answers the link's
+    heartbeats is busy (reported once), until the link drops or the backstop."""
+    lv = Liveness(interval=1.0, timeout=3.0)
+    lv.tick({"a", "b"}, 10.0, _up)
+    _, lost, busy = lv.tick({"a", "b"}, 14.0, _up)
+    assert not lost and sorted(s.endpoint for s in busy) == ["a", "b"]
+    _, lost, busy = lv.tick({"a", "b"}, 20.0, _up)
+    assert not lost and not busy  # still busy: said once
+    _, lost, _ = lv.tick({"a", "b"}, 21.0, lambda ep: ep != "a")  # a's link drops
+    assert [s.endpoint for s in lost] == ["a"]
+    lv.heard("b", 22.0)  # b answers at last: a new silence is a new episode
+    _, lost, busy = lv.tick({"b"}, 26.0, _up)
+    assert not lost and [s.endpoint for s in busy] == ["b"]
+    _, lost, _ = lv.tick({"b"}, 22.0 + lv.busy_limit + 0.1, _up)  # the backstop
+    assert [(s.endpoint, s.link_up) for s in lost] == [("b", True)]
+    assert lv.busy_limit == BUSY_FACTOR * 3.0
 
 
 def test_config_reads_env_with_one_prefix() -> None:

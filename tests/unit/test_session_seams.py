@@ -70,12 +70,16 @@ def test_a_request_refuses_a_host_of_the_other_role() -> None:
         Sender(FakeHost(Role.DECODE), 1)  # type: ignore[arg-type]
 
 
+def _link_down(endpoint: str) -> bool:
+    return False
+
+
 def test_a_suspect_is_cleared_only_by_an_answer_to_a_later_ping() -> None:
     w = PeerWatch(interval=1.0, timeout=3.0)
     early = w.next_seq()
     w.suspect("a")
     assert w.suspects == 1
-    assert w.tick(set(), 10.0) == (["a"], [])  # watched with no request left
+    assert w.tick(set(), 10.0, _link_down) == (["a"], [], [])  # watched, no request left
     w.acked("a", early)
     assert w.suspects == 1
     w.acked("a", w.next_seq())
@@ -87,9 +91,9 @@ def test_a_lost_peer_is_remembered_a_while_unless_it_speaks() -> None:
     w.suspect("a")
     w.lost("a", 10.0)
     assert w.is_lost("a") and w.suspects == 0
-    w.tick(set(), 14.0)
+    w.tick(set(), 14.0, _link_down)
     assert w.is_lost("a")
-    w.tick(set(), 15.5)
+    w.tick(set(), 15.5, _link_down)
     assert not w.is_lost("a")
     w.lost("b", 20.0)
     w.heard("b", 20.5)

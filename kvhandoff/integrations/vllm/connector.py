@@ -180,7 +180,8 @@ class KvhandoffConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             layout = build_layout(
                 self.groups, {name: tensor_info(t) for name, t in mem.tensors.items()},
                 tp_rank=rank, tp_size=tp, extra=(rows.component,),
-                extra_regions=(Region(ptr=aux.ptr, nbytes=aux.nbytes),), identity=self.identity)
+                extra_regions=(Region(ptr=aux.ptr, nbytes=aux.nbytes),), identity=self.identity,
+                model=str(self._vllm_config.model_config.architecture))
             kv = next((component_name(g) for g in self.groups if g.kind in ("full", "mla")),
                       None)
             self._worker = WorkerSide(layout, rows, producer=self.producer,

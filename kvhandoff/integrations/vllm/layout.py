@@ -106,7 +106,8 @@ def mamba_states(m: MambaInfo, tp_size: int) -> tuple[StatePart, ...] | str:
     except LayoutError as e:
         return str(e)
     if split.channels != dim * tp_size and m.kind != "mamba2":  # mamba2: B/C may be extended
-        return f"{m.kind} conv dim {dim} does not split into {split.blocks} x {split.unit}"
+        return (f"{m.kind} conv dim {dim} at TP {tp_size} does not split into {split.blocks} x "
+                f"{split.unit}")
     c = m.itemsizes[0]
     conv_spec = (conv_shard(split, channel_bytes=rows * c) if m.conv_dim_first
                  else conv_shard(split, channel_bytes=c, outer_rows=rows))
@@ -119,7 +120,7 @@ def _recurrent(m: MambaInfo, dim: int, tp: int) -> tuple[ConvSplit, ShardSpec]:
     from this rank's shapes; LayoutError when they do not fit the kind's rules."""
     ssm, isz = m.shapes[1], m.itemsizes[1]
     if m.kind == "mamba1":  # conv [x], SSM (d_inner, state)
-        return mamba1_conv(dim * tp), ssm_shard(ssm[0] * tp, ssm[1] * isz)
+        return mamba1_conv(dim * tp), ssm_shard(ssm[0] * tp, ssm[1] * isz, "d_inner rows")
     if m.kind == "mamba2":  # conv [x | B | C], SSM (heads, head_dim, state)
         heads, head_dim, state = ssm
         if not m.n_groups:
@@ -187,8 +188,23 @@ def component_name(group: GroupInfo) -> str:
 def build_layout(groups: Sequence[GroupInfo], tensors: Mapping[str, TensorInfo], *,
                  tp_rank: int, tp_size: int, extra: Sequence[Component] = (),
                  extra_regions: Sequence[Region] = (),
-                 identity: Sequence[tuple[str, str]] = ()) -> Layout:
-    """The rank's Layout: one component per group, plus ``extra`` (the aux component)."""
+                 identity: Sequence[tuple[str, str]] = (), model: str = "") -> Layout:
+    """The rank's Layout: one component per group, plus ``extra`` (the aux component).
+    Raises :class:`VllmLayoutError` (or :class:`~kvhandoff.errors.LayoutError`) naming
+    ``model``, the group, the layer and the numbers for what cannot be handed off."""
+    try:
+        return _build(groups, tensors, tp_rank=tp_rank, tp_size=tp_size, extra=extra,
+                      extra_regions=extra_regions, identity=identity, model=model)
+    except (VllmLayoutError, LayoutError) as e:
+        if not model or str(e).startswith(f"{model}: "):  # the Layout named it already
+            raise
+        raise type(e)(f"{model}: {e}") from None
+
+
+def _build(groups: Sequence[GroupInfo], tensors: Mapping[str, TensorInfo], *,
+           tp_rank: int, tp_size: int, extra: Sequence[Component],
+           extra_regions: Sequence[Region], identity: Sequence[tuple[str, str]],
+           model: str) -> Layout:
     full = [g for g in groups if g.kind == "full"]
     if len(full) > 1:
         raise VllmLayoutError(
@@ -216,7 +232,7 @@ def build_layout(groups: Sequence[GroupInfo], tensors: Mapping[str, TensorInfo],
     return Layout(page_size=page, tp_rank=tp_rank, tp_size=tp_size,
                   components=(*components, *extra),
                   regions=(*sorted(regions.values(), key=lambda r: r.ptr), *extra_regions),
-                  identity=tuple(identity))
+                  identity=tuple(identity), model=model)
 
 
 def _tensors(g: GroupInfo, name: str, t: TensorInfo, tp_size: int) -> list[TensorSpec]:
@@ -231,7 +247,8 @@ def _tensors(g: GroupInfo, name: str, t: TensorInfo, tp_size: int) -> list[Tenso
         if isinstance(parts, str):
             if tp_size > 1:
                 raise VllmLayoutError(f"{where}: {parts}; kvhandoff cannot slice it per TP "
-                                      f"rank, run this model at TP 1 on both sides")
+                                      f"rank at TP {tp_size}, run this model at TP 1 on both "
+                                      f"sides")
         else:
             if sum(p.nbytes for p in parts) > item:
                 raise VllmLayoutError(f"{where}: its states ({sum(p.nbytes for p in parts)} B) "
@@ -248,7 +265,7 @@ def _tensor(g: GroupInfo, name: str, t: TensorInfo, tp_size: int, where: str,
     item = t.block_bytes
     shard = None
     if g.kind in ("full", "sliding"):
-        shard = _head_shard(g, where, t)
+        shard = _head_shard(g, where, t, tp_size)
         if shard is None and tp_size > 1:
             raise VllmLayoutError(
                 f"{where}: pages of shape {t.shape} strides {t.strides} are not head-major "
@@ -257,13 +274,14 @@ def _tensor(g: GroupInfo, name: str, t: TensorInfo, tp_size: int, where: str,
     elif g.kind == "mamba" and tp_size > 1:
         raise VllmLayoutError(
             f"{where}: vLLM hands Mamba/linear-attention state as raw padded pages, which "
-            f"kvhandoff does not slice per TP rank yet; run this model at TP 1 on both sides")
+            f"kvhandoff does not slice per TP rank yet (TP {tp_size}); run this model at TP 1 "
+            f"on both sides")
     return TensorSpec(name=name, layer_id=layer_index(name), ptr=t.ptr, nbytes=nbytes,
                       item_bytes=item, dtype=t.dtype if shard is not None else "uint8",
                       shard=shard, memory=t.memory, device=t.device)
 
 
-def _head_shard(g: GroupInfo, where: str, t: TensorInfo) -> ShardSpec | None:
+def _head_shard(g: GroupInfo, where: str, t: TensorInfo, tp_size: int) -> ShardSpec | None:
     """``outer 1 × heads × (N·C bytes)`` for a dense head-major ``[B, H, N, C]`` block."""
     if len(t.shape) != 4:
         return None
@@ -273,5 +291,7 @@ def _head_shard(g: GroupInfo, where: str, t: TensorInfo) -> ShardSpec | None:
         return None
     total = g.total_heads or h
     if total % h and h != 1:
-        raise VllmLayoutError(f"{where}: {h} local KV heads do not divide the model's {total}")
-    return ShardSpec(outer=1, groups=(total,), inner_bytes=n * c * t.itemsize)
+        raise VllmLayoutError(f"{where}: {h} local KV heads at TP {tp_size} do not divide the "
+                              f"model's {total} ({total} = {total // h} x {h} + {total % h})")
+    return ShardSpec(outer=1, groups=(total,), inner_bytes=n * c * t.itemsize,
+                     labels=("KV heads",))

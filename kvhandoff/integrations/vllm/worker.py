@@ -6,7 +6,10 @@ vLLM calls in on its step thread; the agent's own threads move the bytes. ``fini
 (vLLM's ``get_finished``) polls the live requests and reports:
 
 * prefill: a request once its Sender is final *and settled* (no write still reads its
-  blocks), whatever the outcome: vLLM may then free the blocks;
+  blocks), whatever the outcome: vLLM may then free the blocks. The Sender gets its last
+  chunk as soon as vLLM finished the request, which starts the lease
+  (``SessionConfig.lease``): a request whose decode hop never comes fails
+  ``LeaseExpired`` then and its blocks are freed;
 * decode: a request once its Receiver succeeded, or failed *and released* (no late write
   can land in its blocks). A failure is also reported as a failed receive, so vLLM's
   ``kv_load_failure_policy`` applies (block-level errors are not an option: vLLM refuses
@@ -39,6 +42,7 @@ from kvhandoff.integrations import (
     Figures,
     HandoffHook,
     HandshakeError,
+    LeaseExpired,
     LocalProtocolError,
     Outcome,
     Receiver,
@@ -300,7 +304,8 @@ class WorkerSide:
         self.stats.add(f)
         if self.hook is not None:
             self.hook.finished(str(side.request_id), f)
-        if not f.success:
+        # a lease that ran out was logged by the library when it did: once is enough
+        if not f.success and not isinstance(side.error, LeaseExpired):
             log.warning("request %s: handoff failed on %s: %s", rid, self.role, side.reason)
 
     def _tell(self, event: str, rid: object, lists: tuple[tuple[int, ...], ...]) -> None:

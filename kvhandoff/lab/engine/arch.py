@@ -59,6 +59,7 @@ from kvhandoff.sharding import DELTA_NET_DIMS, MAMBA2_GROUPS, delta_net_dims, ma
 
 _PROBE_TOKENS = 8
 _DSV4_KINDS = ("compressed_sparse_attention", "heavily_compressed_attention")
+_C4_STATE_REACH = 2 * 4 - 1  # a C4 compressor's pending group plus its last full one
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +71,18 @@ class Arch:
     codecs: tuple[LayerCodec | None, ...]  # None: the layer keeps nothing (MLP / MoE)
     window: int  # sliding window in tokens (0: none)
     dsv4: bool
+
+    @property
+    def swa_span(self) -> int:
+        """Positions below the sequence end the SWA pool keeps, and a handoff moves the
+        pages of: the window, widened for DeepSeek-V4's C4 layers to the
+        ``2 * 4 - 1`` positions their compressor state reaches back
+        (:func:`~kvhandoff.indices.compress_state_positions`). That state lives in the
+        SWA page of its position (sglang's page-scoped rings), so a window narrower
+        than its reach would evict it while a decoder still needs it."""
+        if LayerKind.DSV4_C4 in self.shape.layers:
+            return max(self.window, _C4_STATE_REACH)
+        return self.window
 
     @property
     def layer_codecs(self) -> tuple[LayerCodec, ...]:
@@ -226,11 +239,30 @@ class _ShapeBuilder:
         self.kv_geometry[i] = (heads, head_dim, v_head_dim)
         self._set(kv_dtype_bytes=k.element_size())
         if window:
+            self._check_window(i, window, k.shape[-2])
             self._set(sliding_window=window)
             self.window = window
         return AttentionCodec(layer=i, component="swa" if window else "kv", heads=heads,
                               head_dim=head_dim, v_head_dim=v_head_dim, dtype=k.dtype,
                               window=window)
+
+    def _check_window(self, i: int, window: int, held: int) -> None:
+        """Refuse a sliding window whose cache does not keep exactly the last
+        ``window - 1`` tokens after the probe forward: the codecs move exactly those rows
+        (:meth:`AttentionCodec.live`), so a cache that keeps another number decodes
+        differently once rebuilt from them. transformers (5.x) keeps ``[-(window - 1):]``,
+        which for a window of 1 is ``[-0:]``, every token: its own chunked prefill then
+        fails and its decode attends to the whole history, so no handoff can match it."""
+        want = min(_PROBE_TOKENS, window - 1)
+        if window < 1 or held != want:
+            raise LayoutError(
+                f"{self.name} layer {i}: sliding window {window}, but after the "
+                f"{_PROBE_TOKENS}-token probe forward the transformers cache holds {held} "
+                f"tokens of this layer, not the last window - 1 = {want} a decoder needs; "
+                f"the engine hands off exactly those, so it refuses this window (a window "
+                f"of 1 attends to the token itself alone, which transformers' "
+                f"sliding-window cache does not implement): use a sliding window of at "
+                f"least 2")
 
     def _latent(self, i: int, layer: Any, *, indexed: bool) -> LayerCodec:
         k, v = layer.keys, layer.values  # [1, 1, S, kv_lora], [1, 1, S, rope]
@@ -382,6 +414,8 @@ class _ShapeBuilder:
         if dtype != torch.float32:
             raise LayoutError(f"{self.name}: DeepSeek-V4 compressor state rows are laid out "
                               f"as fp32 (kvhandoff.lab.shapes); run the model in float32")
+        self._filled(i, "sliding-window K=V", layer.keys)
+        self._check_window(i, window, layer.keys.shape[-2])
         self._set(sliding_window=window, dsv4_kv_row_bytes=d * isz, dsv4_head_dim=d,
                   dsv4_index_head_dim=di, index_row_bytes=di * isz)
         self.window = window

@@ -73,7 +73,7 @@ class DecodeInstance(Instance):
         ps = self.tables.page_size
         cap = n // ps * ps
         if self.arch.window:
-            cap = min(cap, max(0, n - self.arch.window) // ps * ps)
+            cap = min(cap, max(0, n - self.arch.swa_span) // ps * ps)
         return cap
 
     def admit(self, rid: int, tokens: list[int] | np.ndarray, transfer: DecodeTransfer) -> Ticket:
@@ -91,10 +91,10 @@ class DecodeInstance(Instance):
                     raise
                 self.tables.extend(req, n)
             if self.arch.window:
-                self.tables.map_swa(req, swa_window_start(n, self.arch.window, self._sps,
+                self.tables.map_swa(req, swa_window_start(n, self.arch.swa_span, self._sps,
                                                           prefix), n)
             lists = component_lists(self.layout, self.tables, req, n=n, prefix=prefix,
-                                    window=self.arch.window)
+                                    window=self.arch.swa_span)
         except BaseException:
             self._release(Ticket(rid, toks, req, prefix), donate=False)
             raise

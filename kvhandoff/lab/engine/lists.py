@@ -8,7 +8,8 @@ and slots). The arithmetic is :mod:`kvhandoff.indices`' (sglang_facts §3.2):
 component type      list
 ==================  =====================================================================
 KV, MLA, NSA        pages of ``[prefix, n)`` (KV / MLA are sliced chunk by chunk)
-SWA                 SWA pages of the window ``[page_floor(max(prefix, n - W)), n)``
+SWA                 SWA pages of the window ``[page_floor(max(prefix, n - W)), n)`` (``W``:
+                    :attr:`~kvhandoff.lab.engine.arch.Arch.swa_span`)
 DSV4_SWA            the same on the DeepSeek-V4 SWA pool, plus the C4 compressor's live
                     positions (ring rows pair by position)
 MAMBA, REQUEST_ROW  the request slot

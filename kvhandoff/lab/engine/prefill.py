@@ -84,7 +84,7 @@ class PrefillInstance(Instance):
                 logits = self.forward(cache, toks[s:e])
                 self._write_rows(req, cache, marks)
                 if self.arch.window:
-                    self.tables.evict_swa(req, e - self.arch.window)
+                    self.tables.evict_swa(req, e - self.arch.swa_span)
                 last = e == n
                 end = n if last else e - e % ps
                 if not last and (not chunked or end <= sent or end <= prefix):
@@ -93,7 +93,7 @@ class PrefillInstance(Instance):
                 if last:
                     self._write_state(rid, req, cache, n, logits)
                     lists = component_lists(self.layout, self.tables, req, n=n, prefix=prefix,
-                                            window=self.arch.window)
+                                            window=self.arch.swa_span)
                     state = {c.name: lists[c.name] for c in self.layout.components
                              if c.type not in CHUNKED_TYPES}
                 pages = req.pages[sent // ps:-(-end // ps)] if chunked else req.pages[:0]

@@ -38,7 +38,9 @@ def split(rows: Rows, shard: ShardSpec | None, outer: int, tp_rank: int, tp_size
         return rows
     axis = sum(shard.groups)
     idx = axis_positions(shard, tp_rank, tp_size)
-    return _view(rows, outer, axis, shard.inner_bytes)[:, :, idx, :].reshape(len(rows), -1)
+    # explicit widths, not -1: zero rows (a window of 1 keeps no token) must still reshape
+    local = _view(rows, outer, axis, shard.inner_bytes)[:, :, idx, :]
+    return local.reshape(len(rows), outer * len(idx) * shard.inner_bytes)
 
 
 def join(parts: list[Rows], shard: ShardSpec | None, outer: int) -> tuple[Rows, bool]:
@@ -64,4 +66,4 @@ def join(parts: list[Rows], shard: ShardSpec | None, outer: int) -> tuple[Rows, 
             same &= bool(np.array_equal(out[:, :, idx[~fresh], :], local[:, :, ~fresh, :]))
         out[:, :, idx[fresh], :] = local[:, :, fresh, :]
         seen[idx] = True
-    return out.reshape(m, -1), same and bool(seen.all())
+    return out.reshape(m, outer * axis * shard.inner_bytes), same and bool(seen.all())

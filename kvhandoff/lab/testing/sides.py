@@ -86,7 +86,12 @@ HOLD_ROUND = 2
 """Chunk rounds prefill sends before holding, when a request is to be aborted (or decode
 killed) in ``transferring``: with a write delay, round 1's writes are still in flight
 when round 0's complete and the request turns ``transferring``."""
-HOLD_LIMIT = 15.0  # the longest prefill holds a request for the abort to land
+PATIENCE = 120.0
+"""The longest a driver waits for a state a fault needs (a request reaching the state
+an abort or an exit is for, prefill holding requests for the fault to land, suspects to
+clear). Each wait ends as soon as the state is reached; only a hang waits it out, so it
+is long: a fault test must not depend on how fast a loaded machine gets there."""
+HOLD_LIMIT = PATIENCE  # the longest prefill holds a request for the abort to land
 
 
 @dataclass
@@ -117,9 +122,11 @@ class SideReport:
 
 
 def config_of(scn: Scenario) -> SessionConfig:
-    base: dict[str, Any] = {"bootstrap_timeout": 20.0, "heartbeat_interval": 0.2,
-                            "heartbeat_timeout": 3.0, "transfer_timeout": 20.0,
-                            "release_timeout": 5.0, "workers": 2,
+    # the timers a scenario does not test are patient (PATIENCE): on a loaded machine a
+    # bootstrap, a claim or a chunk may take long, and must not look like a fault
+    base: dict[str, Any] = {"bootstrap_timeout": PATIENCE, "heartbeat_interval": 0.2,
+                            "heartbeat_timeout": 3.0, "transfer_timeout": PATIENCE,
+                            "lease": PATIENCE, "release_timeout": 5.0, "workers": 2,
                             "transport": scn.transport,
                             "transport_options": dict(scn.transport_options)}
     base.update(scn.config)
@@ -197,7 +204,7 @@ class _Side:
         # a peer a write was lost to is probed until it answers or is declared lost
         # (and dropped): within heartbeat_timeout plus a tick
         _wait(lambda: all(a.stats.get("suspect_peers", 0) == 0 for a in self.agents),
-              max((a.config.heartbeat_timeout for a in self.agents), default=0.0) + 2.0, 0.02)
+              PATIENCE, 0.02)
         self.report.stats = {a.name: a.stats for a in self.agents}
         return self.report
 
@@ -285,7 +292,8 @@ class PrefillSide(_Side):
             if f.get("chunk_delay"):
                 time.sleep(float(f["chunk_delay"]))
             if f.get("prefill_exit") == "transferring" and k == 0:
-                _wait(lambda: any(_in_state(s, "transferring") for _, s, _, _ in work), 5.0)
+                _wait(lambda: any(_in_state(s, "transferring") for _, s, _, _ in work),
+                      PATIENCE)
                 os._exit(3)
         if aborter is not None:  # every abort recorded before the outcomes
             aborter.join(scn.timeout)
@@ -298,7 +306,7 @@ class PrefillSide(_Side):
     def _abort_at(self, rank: str, state: str, senders: list[Sender]) -> threading.Thread:
         def run() -> None:
             for s in senders:
-                _wait(lambda s=s: _in_state(s, state) or s.poll() in _TERMINAL, 10.0)
+                _wait(lambda s=s: _in_state(s, state) or s.poll() in _TERMINAL, PATIENCE)
                 self.abort(rank, s, state)
         return self._spawn(run)
 
@@ -360,13 +368,13 @@ class DecodeSide(_Side):
         if f.get("decode_abort") in ("waiting_for_input", "transferring"):
             state = str(f["decode_abort"])
             for _, r in work:
-                _wait(lambda r=r: _in_state(r, state) or r.poll() in _TERMINAL, 10.0)
+                _wait(lambda r=r: _in_state(r, state) or r.poll() in _TERMINAL, PATIENCE)
                 self.abort(agent.name, r, state)
         if f.get("decode_exit") == "transferring":
             # dies mid-transfer with every request's indices sent: a request whose indices
             # never left can only time out on prefill (indices_timeout), a different fault
             _wait(lambda: any(_in_state(r, "transferring") for _, r in work) and all(
-                r.poll() is not Status.BOOTSTRAPPING for _, r in work), 10.0)
+                r.poll() is not Status.BOOTSTRAPPING for _, r in work), PATIENCE)
             time.sleep(0.05)  # ZeroMQ's I/O thread puts the queued indices on the wire
             os._exit(3)
         for rp, r in work:

@@ -10,7 +10,10 @@ Sockets (all in this channel's own ``zmq.Context``, terminated by :meth:`close`)
   connection and the verified header tells who spoke.
 * one **DEALER** per peer endpoint we send to, connected lazily, ``ROUTING_ID`` = our
   endpoint (none with a key). Replies a peer sends back on its ROUTER (heartbeat acks,
-  error replies) arrive on these and are handled like any other message.
+  error replies) arrive on these and are handled like any other message. Each DEALER
+  sends ZMTP heartbeats, which the peer's libzmq answers without its Python, and its
+  monitor tells whether the link is up (:mod:`~kvhandoff.session.control.links`,
+  :meth:`ControlChannel.link_up`): how liveness tells a busy peer from a dead one.
 
 Sending is direct: :meth:`send` writes to the peer's DEALER on the caller's thread,
 under the channel's dealer lock (a mutex is the full barrier ZeroMQ asks for when a
@@ -85,6 +88,7 @@ from kvhandoff.session.control.auth import (
     is_signed,
 )
 from kvhandoff.session.control.door import ControlDoor
+from kvhandoff.session.control.links import heartbeat, link_up
 from kvhandoff.transport.throttle import Throttle
 
 log = logging.getLogger("kvhandoff.session.control.channel")
@@ -123,8 +127,10 @@ class ControlChannel:
                  on_tick: TickHandler, on_undeliverable: FailureHandler, tick: float,
                  name: str = "agent", flush_timeout: float = 0.25, key: bytes | None = None,
                  on_unauthenticated: FailureHandler | None = None,
-                 on_drained: Callable[[], None] | None = None) -> None:
+                 on_drained: Callable[[], None] | None = None,
+                 heartbeat_interval: float = 1.0, heartbeat_timeout: float = 5.0) -> None:
         self._on_message = on_message
+        self._beat = (heartbeat_interval, heartbeat_timeout)  # the DEALERs' ZMTP heartbeat
         self._on_drained = on_drained
         self._on_tick = on_tick
         self._on_undeliverable = on_undeliverable
@@ -221,6 +227,15 @@ class ControlChannel:
             self._retired.append(d)
         self._push(("sync", "", b""))
 
+    def link_up(self, endpoint: str) -> bool:
+        """Whether our DEALER to ``endpoint`` is connected and its peer's libzmq answers
+        its ZMTP heartbeats (as of the I/O thread's last look, before each tick). False
+        when we have no DEALER to it, or it is not (yet, or any more) connected. I/O
+        thread only (the liveness rules ask it on the tick)."""
+        with self._dlock:
+            d = self._dealers.get(endpoint)
+            return d is not None and d.up
+
     @property
     def authenticated(self) -> bool:
         """Whether this channel signs and checks every message (it has a key)."""
@@ -277,12 +292,18 @@ class ControlChannel:
             sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
             sock.setsockopt(zmq.RECONNECT_IVL, 100)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
-            sock.connect(endpoint)
-            fd = int(sock.getsockopt(zmq.FD))
+            monitor = heartbeat(sock, interval=self._beat[0], timeout=self._beat[1])
         except zmq.ZMQError:
             sock.close(linger=0)
             raise
-        d = _Dealer(endpoint, endpoint.encode(), sock, fd, time.monotonic())
+        try:
+            sock.connect(endpoint)
+            fd = int(sock.getsockopt(zmq.FD))
+        except zmq.ZMQError:
+            monitor.close(linger=0)
+            sock.close(linger=0)
+            raise
+        d = _Dealer(endpoint, endpoint.encode(), sock, fd, time.monotonic(), monitor)
         self._dealers[endpoint] = d
         return d
 
@@ -317,6 +338,7 @@ class ControlChannel:
                 door.on_tick(now)
                 if now >= next_tick:
                     next_tick = now + self._tick
+                    self._read_links()  # what liveness asks on the tick is fresh
                     self._guard("tick", functools.partial(self._on_tick, now))
                     self._drained()
                     self._prune(now)
@@ -327,9 +349,9 @@ class ControlChannel:
             with self._dlock:
                 self._closing = True
                 for d in self._dealers.values():
-                    d.sock.close(linger=self._flush_ms)  # what was sent still goes out
+                    d.close(linger=self._flush_ms)  # what was sent still goes out
                 for d in self._retired:
-                    d.sock.close(linger=0)
+                    d.close(linger=0)
                 self._dealers.clear()
                 self._retired.clear()
 
@@ -390,7 +412,7 @@ class ControlChannel:
                     poller.unregister(fd)
                     del watched[fd]
             for d in retired:
-                d.sock.close(linger=0)
+                d.close(linger=0)
             for fd, d in live.items():
                 if fd not in watched:
                     poller.register(fd, zmq.POLLIN)
@@ -401,6 +423,13 @@ class ControlChannel:
         with self._dlock:
             for ep in [e for e, d in self._dealers.items() if now - d.used > _IDLE_S]:
                 self._retired.append(self._dealers.pop(ep))
+
+    def _read_links(self) -> None:
+        """Take in every DEALER's link changes from its monitor (under the lock: the
+        records are shared with senders; the monitors are this thread's)."""
+        with self._dlock:
+            for d in self._dealers.values():
+                d.up = link_up(d.monitor, d.up)
 
     def _read_router(self) -> None:
         assert self._router is not None
@@ -539,10 +568,17 @@ class _Refused:
 
 @dataclass(eq=False, slots=True)
 class _Dealer:
-    """One DEALER and its notification descriptor (used under the dealer lock)."""
+    """One DEALER, its notification descriptor and its link (used under the dealer
+    lock; the monitor is read and closed on the I/O thread only)."""
 
     endpoint: str
     name: bytes  # the endpoint as bytes: what a signed frame to or from it names
     sock: zmq.Socket[bytes]
     fd: int
     used: float  # last send
+    monitor: zmq.Socket[bytes]  # its link's events (links.heartbeat)
+    up: bool = False  # connected, and the peer's libzmq answers (links.link_up)
+
+    def close(self, *, linger: int) -> None:
+        self.monitor.close(linger=0)
+        self.sock.close(linger=linger)

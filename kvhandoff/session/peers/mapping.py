@@ -32,7 +32,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import NamedTuple
 
-from kvhandoff.errors import LayoutMismatch
+from kvhandoff.errors import LayoutError, LayoutMismatch
 from kvhandoff.layout import Layout, ShardSpec, TensorSpec
 from kvhandoff.plan import pair_layouts
 from kvhandoff.plan.shard import Side, pieces
@@ -227,18 +227,24 @@ def peer_view(layout: Layout, *, tp_rank: int, tp_size: int, pp_rank: int, pp_si
     far as *who writes* is concerned: same components, tensors and shard specs, each
     tensor one item at address 0. Not a real peer's layout (its page size, capacities
     and addresses are unknown); only for asking the planner whether a pair writes."""
+    where = f"{layout.model + ': ' if layout.model else ''}component"
     comps = tuple(
-        dataclasses.replace(c, tensors=tuple(_one_item(t, tp_rank, tp_size) for t in c.tensors))
+        dataclasses.replace(c, tensors=tuple(
+            _one_item(t, tp_rank, tp_size, f"{where} {c.name!r}") for t in c.tensors))
         for c in layout.components
     )
     return dataclasses.replace(layout, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank,
                                pp_size=pp_size, components=comps, regions=())
 
 
-def _one_item(t: TensorSpec, tp_rank: int, tp_size: int) -> TensorSpec:
+def _one_item(t: TensorSpec, tp_rank: int, tp_size: int, where: str) -> TensorSpec:
     item = t.item_bytes
     if t.shard is not None and not t.elided:
-        item = t.shard.local_item_bytes(tp_rank, tp_size)
+        try:
+            item = t.shard.local_item_bytes(tp_rank, tp_size)
+        except LayoutError as e:
+            raise LayoutError(f"{where} tensor {t.name!r} (layer {t.layer_id}) at the peer's "
+                              f"TP rank {tp_rank} of {tp_size}: {e}") from None
     # one packed item: a peer's padding (its stride) is unknown and may be smaller than
     # this item at another TP size
     return dataclasses.replace(t, ptr=0, nbytes=item, item_bytes=item, stride=0)

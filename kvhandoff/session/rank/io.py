@@ -84,7 +84,9 @@ class RankIO:
             self._control = ControlChannel(
                 host=cfg.host, port=cfg.port, dial_host=cfg.dial_host, on_message=on_message,
                 on_tick=on_tick, on_undeliverable=on_undeliverable, tick=cfg.tick, name=name,
-                key=key, on_unauthenticated=on_unauthenticated, on_drained=on_drained)
+                key=key, on_unauthenticated=on_unauthenticated, on_drained=on_drained,
+                heartbeat_interval=cfg.heartbeat_interval,
+                heartbeat_timeout=cfg.heartbeat_timeout)
         except BaseException:
             self.stop()
             self.close_transport()

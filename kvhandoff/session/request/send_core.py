@@ -7,6 +7,10 @@ events and carries out the effects with its host (post, plan, submit, track). Th
   the first one fixes which decode ranks are expected. Once ``init`` was called and
   every expected rank's indices are in (with one prefix length, and a KV chunking that
   fits each), the request is BOOTSTRAPPED and the queued chunks go out.
+* **The lease.** Still bootstrapping ``lease`` seconds after the engine handed over the
+  last chunk (prefill is done; its memory waits for decode alone), the request fails
+  with ``LeaseExpired``, logged once, and settles: the engine frees its memory. Before
+  the last chunk, ``indices_timeout`` (from creation) bounds the wait.
 * **Chunks, one write at a time.** For each (decode rank, chunk), in order, the core
   emits ``PlanChunk`` (the planner request); the shell answers ``planned`` (or
   ``plan_failed``). A plan with bytes becomes ``Write``, answered ``submitted`` (or
@@ -49,6 +53,7 @@ from kvhandoff.protocol import (
 )
 from kvhandoff.session.errors import (
     AgentClosed,
+    LeaseExpired,
     PeerLost,
     RequestAborted,
     RequestTimeout,
@@ -175,6 +180,7 @@ class SendCore(CoreBase):
         self._awaiting: set[str] = set()  # decode endpoints asked to handshake again
         self._chunks = 0
         self._last_given = False
+        self._lease_from: float | None = None  # when the last chunk was handed over
         self._inflight = 0
         self.poisoned = False  # a cancelled write may still land: never AbortAck
         self.settled = False
@@ -212,8 +218,10 @@ class SendCore(CoreBase):
         self._maybe_bootstrapped()
         return self._take()
 
-    def send(self, pages: IndexArray, state: StateLists | None, last: bool) -> list[object]:
-        """One chunk. Raises ``RuntimeError`` before ``init`` or after the last chunk."""
+    def send(self, pages: IndexArray, state: StateLists | None, last: bool, *,
+             now: float) -> list[object]:
+        """One chunk, handed over at ``now`` (the last one starts the lease). Raises
+        ``RuntimeError`` before ``init`` or after the last chunk."""
         if self.num_pages is None:
             raise RuntimeError(f"Sender {self.request_id!r}: send() before init()")
         if self._last_given:
@@ -221,6 +229,8 @@ class SendCore(CoreBase):
         chunk = _Chunk(self._chunks, pages, state, last)
         self._chunks += 1
         self._last_given = last
+        if last:
+            self._lease_from = now
         if self.terminal:
             return []
         if last and self._aux_row is not None:
@@ -304,21 +314,37 @@ class SendCore(CoreBase):
 
     def tick_due(self, now: float) -> bool:
         """Whether :meth:`tick` may have anything to do at ``now``. Safe without the
-        shell's lock: it reads only the status, which never returns to BOOTSTRAPPING, and
-        the creation time, so a stale answer is at worst a True that :meth:`tick` then
-        finds has nothing to do."""
-        return self.status is Status.BOOTSTRAPPING and \
-            now - self.created > self.facts.config.indices_timeout
+        shell's lock: it reads only the status, which never returns to BOOTSTRAPPING, the
+        creation time and the lease's start, set once, so a stale answer is at worst a
+        True that :meth:`tick` then finds has nothing to do, or a False the next tick
+        corrects."""
+        return self.status is Status.BOOTSTRAPPING and (
+            self._lease_expired(now) or now - self.created > self.facts.config.indices_timeout)
 
     def tick(self, now: float) -> list[object]:
+        if self.status is not Status.BOOTSTRAPPING:
+            return self._take()
+        want = "?" if self._expected is None else str(len(self._expected))
+        got = f"got {len(self.targets)} of {want} decode ranks' TransferInits"
         limit = self.facts.config.indices_timeout
-        if self.status is Status.BOOTSTRAPPING and now - self.created > limit:
-            want = "?" if self._expected is None else str(len(self._expected))
+        if self._lease_expired(now):
+            lease = self.facts.config.lease
+            error = LeaseExpired(
+                f"request {self.request_id!r}: prefill finished it, and no decode claimed it "
+                f"within the {lease:g} s lease ({got}); its memory is freed")
+            log.warning("%s", error)  # once: the request is terminal from here on
+            self.events["lease_expired"] += 1
+            self._fail(error)
+        elif now - self.created > limit:
             self._fail(RequestTimeout(
                 f"request {self.request_id!r}: waited {limit:g} s (indices_timeout) for "
-                f"decode's indices; got {len(self.targets)} of {want} TransferInits"
+                f"decode's indices; {got}"
                 + ("" if self.num_pages is not None else "; init() was never called")))
         return self._take()
+
+    def _lease_expired(self, now: float) -> bool:
+        start = self._lease_from
+        return start is not None and now - start > self.facts.config.lease
 
     # --- answers to PlanChunk and Write --------------------------------------------------
 

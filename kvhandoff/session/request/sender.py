@@ -24,6 +24,15 @@ items or ``None`` when it does not move) and the aux row; it may carry no pages 
 decode-side prefix hit). KV pages below decode's prefix are dropped here: the engine
 always hands pages from token 0.
 
+**The lease** (``SessionConfig.lease``, 30 s): the last chunk starts it. A request
+still bootstrapping when it runs out (no decode, or not every decode rank, sent its
+indices: the client hung up between the prefill and the decode hop) fails with
+:class:`~kvhandoff.errors.LeaseExpired`, logged once and counted
+(``kvhandoff_leases_expired``), and settles. What an engine adapter does for it: hand
+over the last chunk as soon as the request's prefill is done (not when decode asks),
+keep polling, and free the request's memory once the Sender is final and
+:attr:`settled`, whatever the outcome, as for every other failure.
+
 Statuses: BOOTSTRAPPING → WAITING_FOR_INPUT (all decode indices in) → TRANSFERRING (a
 chunk's writes completed) → SUCCESS (the last chunk's writes completed for every decode
 rank); FAILED on a planning error, a transport failure, a timeout, a lost peer or an
@@ -162,7 +171,7 @@ class Sender(RequestSide):
             check_items(self.agent.layout, self.agent.kv_name, arr, "prefill")
         norm = state_lists(self.agent.layout, self.agent.state_names, state_indices, last)
         with self._lock:
-            self._do(self._core.send(arr, norm, last))
+            self._do(self._core.send(arr, norm, last, now=time.monotonic()))
 
     @property
     def peers(self) -> list[str]:

@@ -3,9 +3,13 @@
 On every tick of the control I/O thread (``config.tick``) the live requests run their
 timers, the prefill desk sweeps its tables, the peers those requests depend on (and the
 suspects, see :mod:`~kvhandoff.session.rank.liveness.watch`) are pinged every
-``heartbeat_interval``, and a peer silent for ``heartbeat_timeout`` is declared lost: its
-requests fail, the desk drops it, and the control channel forgets it. A peer whose
-messages cannot be delivered is lost the same way. The books are kept by
+``heartbeat_interval``, and a peer silent for ``heartbeat_timeout`` whose control link is
+down as well (the connection reset, or its libzmq stopped answering the link's own
+heartbeats: :meth:`~kvhandoff.session.control.channel.ControlChannel.link_up`) is declared
+lost: its requests fail, the desk drops it, and the control channel forgets it. One
+silent with its link up is busy, not dead: logged once, and lost only after the
+backstop (:data:`~kvhandoff.session.rank.liveness.book.BUSY_FACTOR` timeouts). A peer
+whose messages cannot be delivered is lost the same way. The books are kept by
 :class:`~kvhandoff.session.rank.liveness.watch.PeerWatch`; this does the sending.
 
 Threading: :meth:`Heartbeats.probe` blocks (a worker thread, or the agent starting);
@@ -79,12 +83,18 @@ class Heartbeats:
             watched |= r.peer_endpoints()
         if isinstance(desk, PrefillDesk):
             desk.on_tick(now, watched)
-        ping, lost = self.watch.tick(watched, now)
+        assert self.control is not None
+        ping, lost, busy = self.watch.tick(watched, now, self.control.link_up)
         for ep in ping:
             self._ping(ep, self.watch.next_seq())
-        for ep, quiet in lost:
-            self.peer_lost(ep, f"peer {ep} silent for {quiet:.1f} s (heartbeat_timeout "
-                               f"{self._timeout:g} s)", desk)
+        for s in busy:
+            log.info("agent %s: peer %s silent for %.1f s, but its control link answers: "
+                     "busy, not lost", self._name, s.endpoint, s.quiet)
+        for s in lost:
+            why = "its control link answers, past the busy backstop" if s.link_up else \
+                "and its control link is down"
+            self.peer_lost(s.endpoint, f"peer {s.endpoint} silent for {s.quiet:.1f} s "
+                                       f"(heartbeat_timeout {self._timeout:g} s) {why}", desk)
 
     def peer_lost(self, endpoint: str, reason: str, desk: Desk | None) -> None:
         """Fail the requests that depend on ``endpoint``, then drop it everywhere."""

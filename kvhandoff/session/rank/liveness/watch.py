@@ -24,7 +24,7 @@ import itertools
 import threading
 from collections.abc import Callable
 
-from kvhandoff.session.rank.liveness.book import Liveness
+from kvhandoff.session.rank.liveness.book import Liveness, Silent
 
 
 class PeerWatch:
@@ -83,15 +83,17 @@ class PeerWatch:
         finally:
             self._probes.pop(seq, None)
 
-    def tick(self, watched: set[str], now: float) -> tuple[list[str], list[tuple[str, float]]]:
-        """``(endpoints to ping now, [(endpoint gone silent, seconds silent)])`` for the
-        endpoints live requests depend on (``watched``) and the suspects; forgets
-        endpoints declared lost longer ago than ``memory``."""
+    def tick(self, watched: set[str], now: float, up: Callable[[str], bool]
+             ) -> tuple[list[str], list[Silent], list[Silent]]:
+        """``(endpoints to ping now, endpoints lost, endpoints just become busy)`` among
+        those live requests depend on (``watched``) and the suspects (``up``: whether an
+        endpoint's link is up; see :class:`~kvhandoff.session.rank.liveness.book.Liveness`);
+        forgets endpoints declared lost longer ago than ``memory``."""
         with self._lock:
             watched = watched | set(self._suspects)
         for ep in [e for e, t in self._lost.items() if now - t > self._memory]:
             del self._lost[ep]
-        return self._liveness.tick(watched, now)
+        return self._liveness.tick(watched, now, up)
 
     def lost(self, endpoint: str, now: float) -> None:
         """``endpoint`` was declared lost: drop messages to it for a while, suspect it
