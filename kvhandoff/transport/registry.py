@@ -20,6 +20,7 @@ _TARGETS: dict[str, str] = {
     "memory": "kvhandoff.transport.memory:MemoryTransport",
     "tcp": "kvhandoff.transport.tcp.transport:TcpTransport",
     "shm": "kvhandoff.transport.shm.transport:ShmTransport",
+    "cma": "kvhandoff.transport.cma.transport:CmaTransport",
     "mooncake": "kvhandoff.transport.engines.mooncake:MooncakeTransport",
     "nixl": "kvhandoff.transport.engines.nixl:NixlTransport",
 }

@@ -1,0 +1,210 @@
+"""Paired record tables → iovec batches, and the loop that pulls them. Pure numpy; the
+syscall is passed in (:data:`~kvhandoff.transport.cma.kernel.ReadV`).
+
+A WRITE's source record ``r`` and destination record ``r`` describe one byte stream in
+the same order (record by record, unit-major, then row; :mod:`.frames`). Each side
+becomes its own list of contiguous runs: ``process_vm_readv`` reads the remote iovecs
+and fills the local ones as two streams of equal length, so the sides need not be cut
+alike — a head-sliced destination fed from whole source pages costs one remote iovec
+per page and one local iovec per row, and pages contiguous on one side merge on that
+side only.
+
+Bounded whatever a peer sends: the stream is cut into *windows* of about
+:data:`WINDOW` segments per side (a record's units in slices, a huge unit's rows in
+slices); a window's iovecs are built, pulled and dropped before the next one is built.
+Within a window, each call takes at most ``IOV_MAX`` iovecs per side and
+``batch_bytes`` bytes (so a stop request is seen within one batch); a partial copy
+continues where the kernel stopped.
+
+Tiny handoffs (a page per layer) are bound by per-call overhead: items of at most
+:data:`FEW` segments are addressed with Python integers, not numpy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from kvhandoff.plan.runs import run_starts
+from kvhandoff.transport.cma.kernel import IOV, IOV_MAX, ReadV
+from kvhandoff.transport.errors import TransferFailed
+from kvhandoff.transport.framing.wire import Records
+from kvhandoff.transport.views import unit_contiguous
+
+I64 = npt.NDArray[np.int64]
+Record = tuple[int, int, int, int, int, int, I64]  # as Records.record() returns it
+
+WINDOW = 1 << 16
+"""Segments per side a window aims at (its arrays: a few MB at most)."""
+BATCH_BYTES = 4 << 20
+"""Bytes per syscall at most: a stop request waits for one batch (~1 ms)."""
+FEW = 64
+"""Items of at most this many segments per side are built with Python integers."""
+
+
+class Stopped(TransferFailed):
+    """The pull was stopped between two batches (the sender went away, the receiver is
+    closing, or the transfer outlived its deadline); what was copied stays copied."""
+
+
+class CopyFailed(TransferFailed):
+    """The kernel refused or stopped a copy; ``copied`` bytes of the transfer landed."""
+
+    def __init__(self, message: str, copied: int, error: OSError | None) -> None:
+        super().__init__(message)
+        self.copied = copied
+        self.error = error
+
+
+@dataclass(frozen=True, slots=True)
+class Side:
+    """One side's iovecs of a window: ``rows`` as the syscall takes them and ``ends``,
+    the stream offset where each one ends. Immutable."""
+
+    rows: IOV
+    ends: I64
+
+    @staticmethod
+    def of(starts: I64, lens: I64) -> Side:
+        """The runs of segments ``starts[i], lens[i]`` (stream order), merged where one
+        ends where the next begins."""
+        first = run_starts(starts, step=lens)
+        merged = np.add.reduceat(lens, first) if len(first) else lens
+        rows = np.empty((len(first), 2), np.uint64)
+        rows[:, 0] = starts[first]
+        rows[:, 1] = merged
+        return Side(rows, np.cumsum(merged, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.ends[-1]) if len(self.ends) else 0
+
+    def reach(self, pos: int, k: int) -> int:
+        """Where the ``k``-th iovec counted from the one holding stream offset ``pos``
+        ends (the stream's end if fewer remain)."""
+        i = int(np.searchsorted(self.ends, pos, side="right"))
+        return int(self.ends[min(i + k - 1, len(self.ends) - 1)])
+
+    def cut(self, pos: int, end: int) -> IOV:
+        """The iovecs covering stream bytes ``[pos, end)``, the first and last trimmed."""
+        i = int(np.searchsorted(self.ends, pos, side="right"))
+        j = int(np.searchsorted(self.ends, end, side="left"))
+        out = self.rows[i:j + 1].copy()
+        skip = pos - (int(self.ends[i]) - int(self.rows[i, 1]))
+        out[0, 0] += skip
+        out[0, 1] -= skip
+        out[-1, 1] -= int(self.ends[j]) - end
+        return out
+
+
+def windows(src: Records, dst: Records, window: int = WINDOW) -> Iterator[tuple[Side, Side]]:
+    """``(local, remote)`` iovecs of consecutive windows of the stream that the paired
+    tables ``src`` (remote: the sender's addresses) and ``dst`` (local) describe. The
+    records were validated: every address lies in registered memory."""
+    items: list[tuple[Record, Record, int, int, int, int]] = []
+    weight = 0
+    for r in range(len(src)):
+        s, d = src.record(r), dst.record(r)
+        n, length, count = len(s[6]), s[3], s[4]
+        if not n or not length or not count:
+            continue
+        per = max(_per_unit(s), _per_unit(d))
+        if per <= window:
+            step = max(1, window // per)
+            cuts = [(a, min(n, a + step), 0, count) for a in range(0, n, step)]
+        else:  # a unit of very many rows: its rows in slices
+            cuts = [(u, u + 1, j, min(count, j + window)) for u in range(n)
+                    for j in range(0, count, window)]
+        for a, b, j0, j1 in cuts:
+            items.append((s, d, a, b, j0, j1))
+            weight += (b - a) * min(per, j1 - j0)
+            if weight >= window:
+                yield _window(items)
+                items, weight = [], 0
+    if items:
+        yield _window(items)
+
+
+def _per_unit(rec: Record) -> int:
+    """Segments one unit of a record is on its side: 1 when its rows touch."""
+    _, _, _, length, count, stride, _ = rec
+    return 1 if unit_contiguous(count, stride, length) else count
+
+
+def _window(items: list[tuple[Record, Record, int, int, int, int]]) -> tuple[Side, Side]:
+    local = [_segments(d, a, b, j0, j1) for _, d, a, b, j0, j1 in items]
+    remote = [_segments(s, a, b, j0, j1) for s, _, a, b, j0, j1 in items]
+    return _side(local), _side(remote)
+
+
+def _segments(rec: Record, a: int, b: int, j0: int, j1: int
+              ) -> tuple[I64, I64] | list[tuple[int, int]]:
+    """Segments of units ``a:b``, rows ``j0:j1`` of a record: numpy arrays, or a
+    list of ``(start, length)`` for a few."""
+    ptr, unit, off, length, _, stride, idx = rec
+    rows = j1 - j0
+    whole = rows == 1 or stride == length
+    if (b - a) * (1 if whole else rows) <= FEW:
+        base = ptr + off + j0 * stride
+        units = [base + u * unit for u in idx[a:b].tolist()]
+        if whole:
+            return [(x, length * rows) for x in units]
+        return [(x + j * stride, length) for x in units for j in range(rows)]
+    starts = ptr + off + j0 * stride + idx[a:b] * unit
+    if whole:
+        return starts, np.full(len(starts), length * rows, np.int64)
+    starts = (starts[:, None] + np.arange(rows, dtype=np.int64) * stride).ravel()
+    return starts, np.full(len(starts), length, np.int64)
+
+
+def _side(parts: list[tuple[I64, I64] | list[tuple[int, int]]]) -> Side:
+    starts: list[I64] = []
+    lens: list[I64] = []
+    few: list[tuple[int, int]] = []
+    for p in parts:
+        if isinstance(p, list):
+            few += p
+            continue
+        if few:
+            a = np.array(few, np.int64).reshape(-1, 2)
+            starts.append(a[:, 0])
+            lens.append(a[:, 1])
+            few = []
+        starts.append(p[0])
+        lens.append(p[1])
+    if few:
+        a = np.array(few, np.int64).reshape(-1, 2)
+        starts.append(a[:, 0])
+        lens.append(a[:, 1])
+    if len(starts) == 1:
+        return Side.of(starts[0], lens[0])
+    return Side.of(np.concatenate(starts), np.concatenate(lens))
+
+
+def pull(readv: ReadV, pid: int, local: Side, remote: Side, lo: int, hi: int, *,
+         stop: Callable[[], str | None], batch_bytes: int = BATCH_BYTES) -> None:
+    """Copy stream bytes ``[lo, hi)`` of a window from process ``pid``: calls of at most
+    ``IOV_MAX`` iovecs per side and ``batch_bytes`` bytes; a partial copy continues
+    where it stopped. Before each call ``stop()`` may name a reason to stop
+    (:class:`Stopped`). :class:`CopyFailed` when the kernel refuses or copies nothing;
+    its ``copied`` counts the bytes of ``[lo, hi)`` that landed."""
+    pos = lo
+    while pos < hi:
+        why = stop()
+        if why is not None:
+            raise Stopped(f"copy stopped after {pos - lo} of {hi - lo} B: {why}")
+        end = min(hi, pos + batch_bytes, local.reach(pos, IOV_MAX), remote.reach(pos, IOV_MAX))
+        try:
+            n = readv(pid, local.cut(pos, end), remote.cut(pos, end))
+        except InterruptedError:
+            continue
+        except OSError as e:
+            raise CopyFailed(f"copy failed after {pos - lo} of {hi - lo} B", pos - lo,
+                             e) from e
+        if not 0 < n <= end - pos:
+            raise CopyFailed(f"process_vm_readv copied {n} of {end - pos} B (after "
+                             f"{pos - lo} of {hi - lo} B)", pos - lo, None)
+        pos += n
