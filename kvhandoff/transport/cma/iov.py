@@ -185,9 +185,10 @@ def _side(parts: list[tuple[I64, I64] | list[tuple[int, int]]]) -> Side:
 
 
 def pull(readv: ReadV, pid: int, local: Side, remote: Side, lo: int, hi: int, *,
-         stop: Callable[[], str | None], batch_bytes: int = BATCH_BYTES) -> None:
+         stop: Callable[[], str | None], batch_bytes: int = BATCH_BYTES,
+         max_iov: int = IOV_MAX) -> None:
     """Copy stream bytes ``[lo, hi)`` of a window from process ``pid``: calls of at most
-    ``IOV_MAX`` iovecs per side and ``batch_bytes`` bytes; a partial copy continues
+    ``max_iov`` iovecs per side and ``batch_bytes`` bytes; a partial copy continues
     where it stopped. Before each call ``stop()`` may name a reason to stop
     (:class:`Stopped`). :class:`CopyFailed` when the kernel refuses or copies nothing;
     its ``copied`` counts the bytes of ``[lo, hi)`` that landed."""
@@ -196,7 +197,7 @@ def pull(readv: ReadV, pid: int, local: Side, remote: Side, lo: int, hi: int, *,
         why = stop()
         if why is not None:
             raise Stopped(f"copy stopped after {pos - lo} of {hi - lo} B: {why}")
-        end = min(hi, pos + batch_bytes, local.reach(pos, IOV_MAX), remote.reach(pos, IOV_MAX))
+        end = min(hi, pos + batch_bytes, local.reach(pos, max_iov), remote.reach(pos, max_iov))
         try:
             n = readv(pid, local.cut(pos, end), remote.cut(pos, end))
         except InterruptedError:

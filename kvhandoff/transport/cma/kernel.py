@@ -180,36 +180,38 @@ def probe(readv: ReadV = process_vm_readv) -> Availability:
 
 
 def explain(err: OSError, *, pid: int = 0, peer_uid: int | None = None) -> str:
-    """Why ``process_vm_readv`` from process ``pid`` (user ``peer_uid``) failed, and the
-    fix, in a sentence a user can act on."""
+    """Why ``process_vm_readv`` by this process (the receiver) from process ``pid`` (the
+    sender, user ``peer_uid``) failed, and the fix, in a sentence a user can act on on
+    either side."""
     code = err.errno or 0
     name = errno.errorcode.get(code, str(code))
-    who = f"process {pid}" + (f" (uid {peer_uid})" if peer_uid is not None else "")
+    me = f"the receiver (pid {os.getpid()}, uid {os.geteuid()})"
+    who = f"the sender (pid {pid}" + (f", uid {peer_uid})" if peer_uid is not None else ")")
     if code == errno.EPERM:
         scope = ptrace_scope()
         causes = []
         if peer_uid is not None and peer_uid != os.geteuid():
-            causes.append(f"it runs as uid {peer_uid} and this process as uid {os.geteuid()}"
-                          f" without CAP_SYS_PTRACE: run both as the same user, or grant "
-                          f"this one CAP_SYS_PTRACE")
+            causes.append("they run as different users and the receiver lacks "
+                          "CAP_SYS_PTRACE: run both as the same user, or grant the receiver "
+                          "CAP_SYS_PTRACE")
         if scope == 2:
             causes.append("kernel.yama.ptrace_scope is 2 (only CAP_SYS_PTRACE holders may "
                           "read other processes): grant CAP_SYS_PTRACE or set the scope to 1")
         elif scope == 1:
             causes.append("kernel.yama.ptrace_scope is 1 and the sender did not allow "
                           "readers (an older kvhandoff, or its prctl failed: see its log)")
-        causes.append("the sender may be non-dumpable (setuid, or PR_SET_DUMPABLE 0), or "
-                      "a container or seccomp policy forbids cross-process reads (grant "
+        causes.append("the sender is non-dumpable (setuid, or PR_SET_DUMPABLE 0), or a "
+                      "container or seccomp policy forbids cross-process reads (grant "
                       "CAP_SYS_PTRACE, e.g. docker --cap-add SYS_PTRACE)")
-        return (f"the kernel refused to let this process read {who}'s memory ({name}): "
+        return (f"the kernel does not let {me} read the memory of {who} ({name}): "
                 + "; or ".join(causes) + "; or use the tcp transport")
     if code == errno.ESRCH:
-        return (f"{who} does not exist here ({name}): it exited, or lives in another PID "
-                f"namespace (cma needs both processes in one); use tcp")
+        return (f"{who} does not exist for {me} ({name}): it exited, or lives in another "
+                f"PID namespace (cma needs both in one); use tcp")
     if code == errno.ENOSYS:
         return (f"process_vm_readv is not available ({name}): the kernel lacks it or a "
                 f"seccomp filter blocks it (containers: grant CAP_SYS_PTRACE); use tcp")
     if code == errno.EFAULT:
-        return (f"an address is not mapped ({name}): the sender's registered memory was "
-                f"freed or never mapped, or the destination was")
-    return f"process_vm_readv from {who} failed: {name}: {err.strerror}"
+        return (f"an address is not mapped ({name}): memory {who} registered was freed "
+                f"or never mapped, or a destination of {me} was")
+    return f"process_vm_readv by {me} from {who} failed: {name}: {err.strerror}"

@@ -306,7 +306,8 @@ class _Connection:
         except iov.Stopped as e:
             return Status.INTERNAL, f"{e} ({done} B of earlier windows had landed)"
         except iov.CopyFailed as e:
-            why = explain(e.error, pid=self.pid, peer_uid=self.uid) if e.error else str(e)
+            why = (explain(e.error, pid=self.pid, peer_uid=self.uid) if e.error
+                   else "the kernel made no progress")
             return Status.INTERNAL, (f"pulling from process {self.pid} failed ({done} B of "
                                      f"earlier windows had landed): {e}: {why}")
         return Status.OK, ""
