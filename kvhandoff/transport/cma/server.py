@@ -277,7 +277,8 @@ class _Connection:
                 status, message = self._pull(job)
                 if status is Status.OK and job.notice is not None:
                     self.server.deliver(job.notice)
-                self._reply(job.seq, status, message)
+                if status is Status.OK or not self.gone.is_set():  # a closing sender
+                    self._reply(job.seq, status, message)  # fails its own transfers
         except OSError as e:  # the socket: the serving thread sees it too
             log.debug("cma server: connection from process %d ended: %s", self.pid, e)
         except Exception:  # never a silent death: the sender sees the connection drop
