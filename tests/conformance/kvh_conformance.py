@@ -26,8 +26,8 @@ from kvhandoff.transport import (
 
 # Short timeouts so fault tests finish quickly; engines not listed use their defaults.
 _SHORT = {"io_timeout": 3.0, "connect_timeout": 3.0}
-OPTIONS: dict[str, dict[str, Any]] = {n: dict(_SHORT) for n in ("tcp", "shm", "cma", "mooncake",
-                                                                "nixl")}
+OPTIONS: dict[str, dict[str, Any]] = {n: dict(_SHORT) for n in ("tcp", "shm", "cma", "auto",
+                                                                "mooncake", "nixl")}
 
 _AVAILABLE = available_transports()
 
