@@ -267,3 +267,32 @@ def test_the_real_syscall_in_this_process() -> None:
     n = process_vm_readv(os.getpid(), iovecs([(b.ctypes.data, 64)]),
                          iovecs([(a.ctypes.data, 64)]))
     assert n == 64 and np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_small_writes_are_built_in_one_pass_alike(kind: str) -> None:
+    """The Python-integer path of a small write yields exactly the iovecs of the numpy
+    windows; a larger write is left to them."""
+    b = _builder(9)
+    p = b.plan(kind)
+    src, dst = decode_write(encode_write(p))
+    got = iov.few(src, dst)
+    wins = list(iov.windows(src, dst))
+    if got is None:
+        assert p.nbytes > iov.BATCH_BYTES or p.num_segments > 4 * iov.FEW, kind
+        return
+    if not p:
+        assert not wins and not len(got[0].rows)
+        return
+    (local, remote), = wins
+    for a, w in ((got[0], local), (got[1], remote)):
+        assert np.array_equal(a.rows, w.rows) and np.array_equal(a.ends, w.ends)
+
+
+def test_a_small_table_with_a_huge_row_count_is_left_to_the_windows() -> None:
+    """One unit of four million 1-byte rows: 4 MiB, but far more segments than the
+    Python path takes; it is refused at once (it never loops over the rows)."""
+    rec = [(1 << 20, 0, 0, 1, 4 << 20, 2)]
+    idx = [np.zeros(1, np.int64)]
+    src, dst = (Records.build(rec, idx),) * 2
+    assert iov.few(src, dst) is None

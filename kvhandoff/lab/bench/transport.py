@@ -30,7 +30,7 @@ GB/s, barely disturbed by other work on the machine). After its cases each trans
 idles for a second, connected, and the CPU both processes use meanwhile is recorded
 (an idle transport must not spin).
 
-    kvhandoff bench transport                    # tcp, shm, mooncake, nixl: a few minutes
+    kvhandoff bench transport                    # tcp, shm, cma, mooncake, nixl: minutes
     kvhandoff bench transport --quick            # 32 MiB, 2 reps: seconds
     python benchmarks/transport.py --transports tcp,nixl --json out.json
 
@@ -68,7 +68,7 @@ CASES = ("pages_4k", "pages_32k", "pages_256k", "same_tp_16k", "head_sliced", "b
 TINY_N = 400  # timed tiny submits per transport, after TINY_WARM untimed ones
 TINY_WARM = 40
 TINY_GOAL_S = 0.4e-3  # the bare tcp transport's share of the session's 1 ms budget
-TRANSPORTS = ("tcp", "shm", "mooncake", "nixl")
+TRANSPORTS = ("tcp", "shm", "cma", "mooncake", "nixl")
 TIMEOUT = 300.0
 RAW_BATCH = 1024  # Mooncake's default per-peer queue; more in one call is rejected
 
@@ -592,6 +592,8 @@ def goals(rows: list[Row], idle: dict[str, dict[str, float]],
         ("mooncake-raw", "pages_4k"), 10.0)
     add("shm pages_256k >= 0.7x memcpy", ("shm", "pages_256k"), "memcpy_gbps", 0.7)
     add("shm pages_4k >= 0.4x memcpy", ("shm", "pages_4k"), "memcpy_gbps", 0.4)
+    add("cma pages_256k >= 0.9x memcpy", ("cma", "pages_256k"), "memcpy_gbps", 0.9)
+    add("cma pages_4k >= 0.6x memcpy", ("cma", "pages_4k"), "memcpy_gbps", 0.6)
     add("nixl block >= 0.8x memcpy", ("nixl", "block"), "memcpy_gbps", 0.8)
     n_goals = len(out)
     for t in TRANSPORTS:

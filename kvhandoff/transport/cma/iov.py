@@ -100,6 +100,57 @@ class Side:
         return out
 
 
+def few(src: Records, dst: Records, most: int = 4 * FEW) -> tuple[Side, Side] | None:
+    """``(local, remote)`` of a small write in one pass of Python integers — at most
+    ``most`` segments a side and :data:`BATCH_BYTES` in all, so one syscall —; None for
+    a larger one (use :func:`windows`). A tiny handoff's dozen numpy calls per record
+    cost more than its copy."""
+    if len(src.idx) > most:
+        return None
+    bounds, s_idx, d_idx = src.bounds.tolist(), src.idx.tolist(), dst.idx.tolist()
+    local: list[list[int]] = []
+    remote: list[list[int]] = []
+    total = segs = 0
+    for r, (s_rec, d_rec) in enumerate(zip(src.fields.tolist(), dst.fields.tolist(),
+                                            strict=True)):
+        a, z = bounds[r], bounds[r + 1]
+        total += (z - a) * s_rec[3] * s_rec[4]
+        segs += (z - a) * max(_rows_per_unit(s_rec), _rows_per_unit(d_rec))
+        if total > BATCH_BYTES or segs > most:
+            return None
+        _few(d_rec, d_idx[a:z], local)
+        _few(s_rec, s_idx[a:z], remote)
+    return _rows(local), _rows(remote)
+
+
+def _rows_per_unit(rec: list[int]) -> int:
+    _, _, _, length, count, stride = rec
+    return 1 if count <= 1 or stride == length else count
+
+
+def _few(rec: list[int], units: list[int], out: list[list[int]]) -> None:
+    """Append the segments of one record's side to ``out``, merging runs."""
+    ptr, unit, off, length, count, stride = rec
+    if not units or not length or not count:
+        return
+    n = _rows_per_unit(rec)
+    step = length * count if n == 1 else length
+    for u in units:
+        base = ptr + u * unit + off
+        for j in range(n):
+            at = base + j * stride
+            if out and out[-1][0] + out[-1][1] == at:
+                out[-1][1] += step
+            else:
+                out.append([at, step])
+
+
+def _rows(segs: list[list[int]]) -> Side:
+    lens = [n for _, n in segs]
+    ends = np.cumsum(np.array(lens, np.int64)) if lens else np.zeros(0, np.int64)
+    return Side(np.array(segs, np.uint64).reshape(len(segs), 2), ends)
+
+
 def windows(src: Records, dst: Records, window: int = WINDOW) -> Iterator[tuple[Side, Side]]:
     """``(local, remote)`` iovecs of consecutive windows of the stream that the paired
     tables ``src`` (remote: the sender's addresses) and ``dst`` (local) describe. The

@@ -81,6 +81,7 @@ class _Reply:
     seq: int
     status: Status
     message: str = ""
+    small = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +91,12 @@ class _Pull:
     dst: Records
     notice: bytes | None
     deadline: float  # monotonic: past it the sender may have given up
+    sides: tuple[iov.Side, iov.Side] | None  # a small write's iovecs, built when checked
+
+    @property
+    def small(self) -> bool:
+        """One syscall's worth: the serving thread may pull it itself."""
+        return self.sides is not None
 
 
 class CmaServer(ThreadedServer):
@@ -153,6 +160,8 @@ class _Connection:
         self.sources = RegionTable()
         self.gone = threading.Event()
         self.jobs: queue.SimpleQueue[_Reply | _Pull | None] = queue.SimpleQueue()
+        self._queued = 0  # jobs handed to the copier and not yet answered
+        self._lock = threading.Lock()
         self.hdr = bytearray(HEADER.size)
 
     def run(self) -> None:
@@ -182,7 +191,7 @@ class _Connection:
             if h.kind is Kind.HELLO and h.desc_len > _MAX_HELLO:
                 raise ProtocolError(f"cma HELLO of {h.desc_len} B")
         except ProtocolError as e:
-            self.jobs.put(_Reply(0, Status.MALFORMED, str(e)))
+            self._dispatch(_Reply(0, Status.MALFORMED, str(e)))
             raise
         desc = bytearray(h.desc_len)
         recv_exact(self.sock, memoryview(desc))
@@ -244,12 +253,25 @@ class _Connection:
                     if hello.probe:
                         raise ProtocolError("a second cma HELLO with a probe")
                     self.sources = hello.regions
-                    self.jobs.put(_Reply(h.seq, Status.OK))
+                    job: _Reply | _Pull = _Reply(h.seq, Status.OK)
                 else:
-                    self.jobs.put(self._check(h, desc))
+                    job = self._check(h, desc)
             except ProtocolError as e:
-                self.jobs.put(_Reply(h.seq, Status.MALFORMED, str(e)))
+                self._dispatch(_Reply(h.seq, Status.MALFORMED, str(e)))
                 raise
+            self._dispatch(job)
+
+    def _dispatch(self, job: _Reply | _Pull) -> None:
+        """Hand ``job`` to the copier; or, when the copier has nothing to do and the
+        job is one syscall's worth, serve it in this thread (a thread hand-off saved per
+        tiny handoff). Replies keep frame order: nothing else is queued or served."""
+        with self._lock:
+            here = self._queued == 0 and job.small
+            self._queued += not here
+        if here:
+            self._serve(job)
+        else:
+            self.jobs.put(job)
 
     def _check(self, h: Header, desc: bytearray) -> _Reply | _Pull:
         """A WRITE, checked on both sides: a pull, or the refusal (nothing copied)."""
@@ -261,24 +283,17 @@ class _Connection:
         problem = dst.problem(self.server.table()) or src.problem(self.sources, SRC)
         if problem is not None:
             return _Reply(h.seq, Status.OUT_OF_BOUNDS, problem)
-        return _Pull(h.seq, src, dst, notice,
-                     time.monotonic() + self.server.io_timeout / 2)
+        return _Pull(h.seq, src, dst, notice, time.monotonic() + self.server.io_timeout / 2,
+                     iov.few(src, dst))
 
     # --- the copier -----------------------------------------------------------------------
 
     def _copy_loop(self) -> None:
         try:
             while (job := self.jobs.get()) is not None:
-                if isinstance(job, _Reply):
-                    self._reply(job.seq, job.status, job.message)
-                    continue
-                if self.gone.is_set():
-                    continue  # the sender left: nobody waits for it; copy nothing
-                status, message = self._pull(job)
-                if status is Status.OK and job.notice is not None:
-                    self.server.deliver(job.notice)
-                if status is Status.OK or not self.gone.is_set():  # a closing sender
-                    self._reply(job.seq, status, message)  # fails its own transfers
+                self._serve(job)
+                with self._lock:
+                    self._queued -= 1
         except OSError as e:  # the socket: the serving thread sees it too
             log.debug("cma server: connection from process %d ended: %s", self.pid, e)
         except Exception:  # never a silent death: the sender sees the connection drop
@@ -287,6 +302,19 @@ class _Connection:
             if not self.gone.is_set():
                 self.gone.set()
                 shut(self.sock)
+
+    def _serve(self, job: _Reply | _Pull) -> None:
+        """Answer one frame: its reply, or its pull then (the notice and) the reply."""
+        if isinstance(job, _Reply):
+            self._reply(job.seq, job.status, job.message)
+            return
+        if self.gone.is_set():
+            return  # the sender left: nobody waits for it; copy nothing
+        status, message = self._pull(job)
+        if status is Status.OK and job.notice is not None:
+            self.server.deliver(job.notice)
+        if status is Status.OK or not self.gone.is_set():  # a closing sender fails its
+            self._reply(job.seq, status, message)  # own transfers
 
     def _stop(self, deadline: float) -> str | None:
         if self.gone.is_set():
@@ -301,7 +329,8 @@ class _Connection:
     def _pull(self, job: _Pull) -> tuple[Status, str]:
         done = 0
         try:
-            for local, remote in iov.windows(job.src, job.dst):
+            for local, remote in ([job.sides] if job.sides else
+                                  iov.windows(job.src, job.dst)):
                 self.server.pull(self.pid, local, remote, lambda: self._stop(job.deadline))
                 done += local.nbytes
         except iov.Stopped as e:

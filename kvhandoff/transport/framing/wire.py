@@ -55,6 +55,7 @@ MAX_PAYLOAD = 1 << 32  # a hostile frame can make a receiver allocate or wait fo
 MAX_RECORDS = 1 << 22
 _FIELDS = 7
 _FEW = 64  # record tables up to this size are bounds-checked without vectorising
+_FEW_UNITS = 4096  # ... with their index ranges in Python up to this many indices
 _LIMIT = float(1 << 62)  # any address arithmetic beyond this is refused, never wrapped
 _DST = ("destination", "the receiver's")
 SRC = ("source", "the sender's")
@@ -245,11 +246,15 @@ class Records:
 
     def _problem_few(self, table: RegionTable, whose: tuple[str, str] = _DST) -> str | None:
         fields, bounds = self.fields.tolist(), self.bounds.tolist()
+        # few indices: one conversion, each record's range in Python; else numpy's
+        units = self.idx.tolist() if len(self.idx) <= _FEW_UNITS else None
         for r, (ptr, unit, off, length, count, stride) in enumerate(fields):
-            idx = self.idx[bounds[r]:bounds[r + 1]]
-            if not len(idx) or not length or not count:
+            a, z = bounds[r], bounds[r + 1]
+            if a == z or not length or not count:
                 continue
-            span = piece_span(ptr, unit, idx, off, length, count, stride)
+            mine = None if units is None else units[a:z]
+            span = piece_span(ptr, unit, self.idx[a:z], off, length, count, stride,
+                              None if mine is None else (min(mine), max(mine)))
             if not table.contains(span):
                 return _outside(whose, span.lo, span.hi, r)
         return None
