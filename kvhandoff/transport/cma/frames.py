@@ -40,6 +40,8 @@ MAX_REGIONS = 1 << 16
 MAX_PROBE = 64
 _HELLO = struct.Struct("<QI")
 _COUNT = struct.Struct("<q")
+MAX_HELLO = _HELLO.size + MAX_PROBE + _COUNT.size + 16 * MAX_REGIONS
+"""The largest HELLO body (a receiver reads no more)."""
 _NOBUF: U8 = np.zeros(0, np.uint8)
 
 
@@ -55,7 +57,11 @@ class Hello:
 
 def encode_hello(probe_addr: int, probe: bytes, regions: list[tuple[int, int]]) -> bytes:
     """A HELLO body: ``probe`` lies at ``probe_addr`` here; ``regions`` are
-    ``(ptr, nbytes)`` of every registered source."""
+    ``(ptr, nbytes)`` of every registered source. ValueError beyond
+    :data:`MAX_REGIONS` regions (register whole pools, not their pages)."""
+    if len(regions) > MAX_REGIONS:
+        raise ValueError(f"cma: {len(regions)} registered regions exceed the {MAX_REGIONS} a "
+                         f"receiver accepts; register whole pools, not each page")
     table = np.array(regions, dtype="<i8").reshape(len(regions), 2)
     return b"".join((_HELLO.pack(probe_addr, len(probe)), probe, _COUNT.pack(len(regions)),
                      table.tobytes()))

@@ -104,7 +104,7 @@ class CmaPeer(WorkerPeer):
         except ConnectError:
             sock.close()
             raise
-        except (OSError, EOFError, ProtocolError) as e:
+        except (OSError, EOFError, ProtocolError, ValueError) as e:
             sock.close()
             raise ConnectError(f"cma connection to {address.lstrip(chr(0))!r} failed: "
                                f"{type(e).__name__}: {e}") from e

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvhandoff.transport.cma import iov
-from kvhandoff.transport.cma.frames import MAX_REGIONS, Hello, decode_hello, decode_write
+from kvhandoff.transport.cma.frames import MAX_HELLO, Hello, decode_hello, decode_write
 from kvhandoff.transport.cma.kernel import ReadV, explain, iovecs, process_vm_readv
 from kvhandoff.transport.errors import ProtocolError
 from kvhandoff.transport.framing.io import recv_exact, recv_header
@@ -72,7 +72,6 @@ _refused = Throttle(log)
 
 PARALLEL_MIN = 4 << 20
 """Windows of at least this many bytes are shared among the copy threads."""
-_MAX_HELLO = 16 + 64 + 16 * MAX_REGIONS
 _CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
@@ -130,22 +129,33 @@ class CmaServer(ThreadedServer):
 
     def pull(self, pid: int, local: iov.Side, remote: iov.Side,
              stop: Callable[[], str | None]) -> None:
-        """Pull one window, shared among the copy threads when it is large."""
+        """Pull one window, shared among the copy threads when it is large (a part that
+        fails stops the others at their next batch)."""
         n = local.nbytes
         parts = self.threads if n >= PARALLEL_MIN else 1
         cuts = [n * k // parts for k in range(parts + 1)]
-        futures = [self._pool.submit(iov.pull, self.readv, pid, local, remote, cuts[k],
-                                     cuts[k + 1], stop=stop) for k in range(1, parts)]
-        error: BaseException | None = None
+        failed = threading.Event()
+
+        def part(k: int) -> None:
+            try:
+                iov.pull(self.readv, pid, local, remote, cuts[k], cuts[k + 1],
+                         stop=lambda: "another part of the copy failed" if failed.is_set()
+                         else stop())
+            except BaseException:
+                failed.set()
+                raise
+
+        futures = [self._pool.submit(part, k) for k in range(1, parts)]
+        errors: list[BaseException] = []
         try:
-            iov.pull(self.readv, pid, local, remote, cuts[0], cuts[1], stop=stop)
+            part(0)
         except BaseException as e:
-            error = e
-        for f in futures:  # bounded: each stops within a batch once stop() says so
-            e2 = f.exception()
-            error = error or e2
-        if error is not None:
-            raise error
+            errors.append(e)
+        for f in futures:  # bounded: each stops within a batch once told to
+            if (e2 := f.exception()) is not None:
+                errors.append(e2)
+        if errors:  # the cause, not a part that stopped because of it
+            raise next((e for e in errors if not isinstance(e, iov.Stopped)), errors[0])
 
     def close(self) -> None:
         super().close()
@@ -188,7 +198,7 @@ class _Connection:
             if h.kind not in (Kind.HELLO, Kind.WRITE) or h.payload_len:
                 raise ProtocolError(f"unexpected {h.kind.name} frame (payload "
                                     f"{h.payload_len} B)")
-            if h.kind is Kind.HELLO and h.desc_len > _MAX_HELLO:
+            if h.kind is Kind.HELLO and h.desc_len > MAX_HELLO:
                 raise ProtocolError(f"cma HELLO of {h.desc_len} B")
         except ProtocolError as e:
             self._dispatch(_Reply(0, Status.MALFORMED, str(e)))
