@@ -78,3 +78,33 @@ def test_probe_follows_yama(monkeypatch: pytest.MonkeyPatch, scope: int, cap: bo
     assert got is ok, reason
     if not ok:
         assert f"ptrace_scope is {scope}" in reason
+
+
+def test_yama_restricted_lets_readers_in_once(monkeypatch: pytest.MonkeyPatch,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    """Under ``ptrace_scope`` 1 the side that is read names any process as its allowed
+    reader (``PR_SET_PTRACER_ANY``), once per process, and says so (or why it could not:
+    a kernel without Yama refuses the prctl)."""
+    calls: list[tuple[int, int]] = []
+
+    class Libc:
+        def prctl(self, option: int, arg: object, *rest: int) -> int:
+            calls.append((option, getattr(arg, "value", arg)))
+            return 0
+
+    monkeypatch.setattr(kernel, "ptrace_scope", lambda: 1)
+    monkeypatch.setattr(kernel, "_libc", lambda: Libc())
+    monkeypatch.setattr(kernel, "_readers_allowed", False)
+    with caplog.at_level("INFO", "kvhandoff.transport"):
+        kernel.allow_readers()
+        kernel.allow_readers()
+    assert calls == [(kernel.PR_SET_PTRACER, kernel.PR_SET_PTRACER_ANY)]
+    assert any("PR_SET_PTRACER_ANY" in r.getMessage() for r in caplog.records)
+
+
+def test_other_scopes_leave_the_process_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernel, "_readers_allowed", False)
+    for scope in (None, 0, 2):
+        monkeypatch.setattr(kernel, "ptrace_scope", lambda s=scope: s)
+        monkeypatch.setattr(kernel, "_libc", lambda: pytest.fail("prctl called"))
+        kernel.allow_readers()
