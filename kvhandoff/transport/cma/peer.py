@@ -9,9 +9,10 @@ and the registered source regions. The receiver answers only once it read the pr
 so a kernel that forbids the read fails ``connect`` with the cause and the fix, never a
 request.
 
-Each submit becomes one WRITE frame (the plan's paired records, :mod:`.frames`), sent
-by the peer's writer thread; when this side registered more memory since, a HELLO with
-the new regions goes first. The reader thread completes handles from the REPLYs, in
+Each submit becomes one WRITE frame (the plan's paired records, :mod:`.frames`), written
+by the submitting thread when nothing is queued before it and the socket takes it at
+once, else by the peer's writer thread; when this side registered more memory since, a
+HELLO with the new regions goes first. The reader thread completes handles from the REPLYs, in
 order: DONE once the receiver pulled every byte (and delivered the notice). The bytes
 never pass through this process's threads.
 
@@ -39,7 +40,14 @@ from kvhandoff.plan.model import Plan
 from kvhandoff.transport.base import Handle, TransferState
 from kvhandoff.transport.cma.frames import encode_hello, encode_write
 from kvhandoff.transport.cma.kernel import allow_readers
-from kvhandoff.transport.errors import ConnectError, ProtocolError
+from kvhandoff.transport.errors import (
+    ConnectError,
+    PeerLost,
+    ProtocolError,
+    TransferFailed,
+    TransportError,
+)
+from kvhandoff.transport.framing.io import send_views, write_some
 from kvhandoff.transport.framing.served import JOIN_S, WorkerPeer, prove, recv_reply, shut
 from kvhandoff.transport.framing.wire import (
     FLAG_NOTICE,
@@ -73,7 +81,9 @@ class CmaPeer(WorkerPeer):
         self._io_timeout = io_timeout
         self._table = table
         self._probe = np.frombuffer(os.urandom(PROBE_BYTES), np.uint8).copy()  # read there
-        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Job | list[memoryview] | None] = queue.SimpleQueue()
+        self._out = threading.Lock()  # who writes frames next: see submit
+        self._queued = 0  # items put in the queue and not yet written
         self._inflight: deque[_Job] = deque()
         self._seq = 0
         self._closing = False
@@ -110,45 +120,84 @@ class CmaPeer(WorkerPeer):
                                f"{type(e).__name__}: {e}") from e
 
     def submit(self, plan: Plan, notice: bytes | None = None) -> Handle:
-        """Queue ``plan`` (its sources checked by the transport) for the writer."""
+        """Send ``plan``'s frame (its sources checked by the transport): from this thread
+        when nothing is queued before it, as far as the socket takes it without
+        blocking (a thread hand-off saved per tiny handoff); the writer sends the rest,
+        and everything while it has work."""
         if not plan and notice is None:
             return Handle.completed(peer=self.name)
         job: _Job
         handle = Handle(nbytes=plan.nbytes, peer=self.name,
                         on_release=lambda h: self._forget(job))
         job = _Job(handle, plan, notice)
-        if self._track(job):
+        if not self._track(job):
+            return handle
+        with self._out:
+            now = self._queued == 0
+            error = self._write_now(job) if now else None
+            self._queued += not now
+        if not now:
             self._queue.put(job)
+        elif error is not None:  # outside the lock: failing runs the handles' callbacks
+            self._fail(error)
         return handle
+
+    def _write_now(self, job: _Job) -> TransportError | None:
+        """Under ``self._out`` with nothing queued: write without blocking; the error
+        that makes the peer unusable, if any."""
+        try:
+            rest = write_some(self._sock, self._frames(job))
+        except OSError as e:
+            return PeerLost(f"lost {self.name}: {type(e).__name__}: {e}")
+        except ValueError as e:  # more regions than a receiver accepts
+            return TransferFailed(str(e))
+        if rest:  # the socket is full: the writer finishes this frame first
+            self._queued += 1
+            self._queue.put(rest)
+        return None
 
     def _write_loop(self) -> None:
         try:
-            while (job := self._queue.get()) is not None and self._error is None:
-                if job.handle.state is not TransferState.PENDING:
-                    continue  # released before it went out: nothing to cancel
-                table = self._table()
-                if table is not self._sent:  # registered more: the receiver must know
-                    self._sent = table
-                    regions = encode_hello(0, b"", table.describe())
-                    self._send(Kind.HELLO, 0, regions, _Job(Handle(nbytes=0), None, None))
-                assert job.plan is not None
-                desc = encode_write(job.plan)
-                code = 0
-                if job.notice is not None:
-                    desc, code = join_notice(job.notice, desc), FLAG_NOTICE
-                job.plan = None  # drop references to the plan's arrays
-                self._send(Kind.WRITE, code, desc, job)
+            while (item := self._queue.get()) is not None and self._error is None:
+                try:
+                    if isinstance(item, list):
+                        send_views(self._sock, item)
+                    elif item.handle.state is TransferState.PENDING:  # not released
+                        send_views(self._sock, self._frames(item))
+                finally:
+                    with self._out:
+                        self._queued -= 1
         except OSError:
             if not self._closing:
                 raise
 
-    def _send(self, kind: Kind, code: int, desc: bytes, job: _Job) -> None:
+    def _frames(self, job: _Job) -> list[memoryview]:
+        """The frames ``job`` goes out as — a HELLO with this side's regions first when
+        it registered more since the last one —, its replies awaited from now on. Only
+        one thread at a time (the writer while it has work, else a submitter holding
+        ``self._out``)."""
+        out: list[memoryview] = []
+        table = self._table()
+        if table is not self._sent:  # registered more: the receiver must know
+            self._sent = table
+            regions = encode_hello(0, b"", table.describe())
+            out += self._frame(Kind.HELLO, 0, regions, _Job(Handle(nbytes=0), None, None))
+        assert job.plan is not None
+        desc = encode_write(job.plan)
+        code = 0
+        if job.notice is not None:
+            desc, code = join_notice(job.notice, desc), FLAG_NOTICE
+        job.plan = None  # drop references to the plan's arrays
+        return out + self._frame(Kind.WRITE, code, desc, job)
+
+    def _frame(self, kind: Kind, code: int, desc: bytes, job: _Job) -> list[memoryview]:
         self._seq += 1
         job.seq = self._seq
         job.sent_at = time.monotonic()
         self._inflight.append(job)  # before the frame: its reply may come at once
         job.handle.mark_started()
-        self._sock.sendall(Header(kind, code, job.seq, len(desc), 0).pack() + desc)
+        return [memoryview(Header(kind, code, job.seq, len(desc), 0).pack()),
+                memoryview(desc)]
 
     def _read_loop(self) -> None:
         try:
