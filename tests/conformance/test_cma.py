@@ -371,3 +371,53 @@ def test_no_copy_starts_after_close_returns(cma: Pair, monkeypatch: pytest.Monke
     assert h.state is TransferState.DONE or isinstance(h.error, TransportClosed), h.error
     cma.peer = None
     assert calls.after_close == 0
+
+
+def test_a_sender_that_outruns_the_copier_is_held_back_by_the_socket(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the copier is busy the receiver queues at most QUEUE_BYTES of descriptors
+    (here: one frame), then stops reading: a sender that keeps sending blocks on its
+    socket instead of growing the receiver's memory. Once the copier goes on, every
+    frame is served, in order."""
+    calls = Syscalls()
+    calls.hold = 2  # the first pull (the first call reads the connect's probe)
+    monkeypatch.setattr(cma_server, "process_vm_readv", calls)
+    monkeypatch.setattr(cma_server, "QUEUE_BYTES", 1)
+    conns: list[cma_server._Connection] = []
+    init = cma_server._Connection.__init__
+
+    def spy(self: cma_server._Connection, *a: object) -> None:
+        init(self, *a)  # type: ignore[arg-type]
+        conns.append(self)
+
+    monkeypatch.setattr(cma_server._Connection, "__init__", spy)
+    with make("cma") as receiver:
+        units, size, frames = 6000, 64, 200  # 6000 segments: not small, so queued
+        dst = receiver.allocate(units * size)
+        src = noise(np.random.default_rng(5), units * size)
+        raw = RawSender(receiver.endpoint(), [(int(src.ctypes.data), src.nbytes)])
+        try:
+            assert raw.hello() == (Status.OK, "")
+            idx = np.arange(units, dtype=np.int64)
+            table = Records.build([(int(src.ctypes.data), size, 0, size, 1, size),
+                                   (int(dst.ctypes.data), size, 0, size, 1, size)],
+                                  [idx, idx]).encode()  # ~96 KB: 200 frames ~19 MB
+            raw.sock.settimeout(TIMEOUT)
+            sender = threading.Thread(target=lambda: [raw.sock.sendall(
+                Header(Kind.WRITE, 0, k, len(table), 0).pack() + table)
+                for k in range(2, frames + 2)], daemon=True)
+            sender.start()
+            assert calls.entered.wait(TIMEOUT)
+            (conn,) = conns
+            assert conn.held_back.wait(TIMEOUT), "the receiver never stopped reading"
+            assert conn._queued <= 2 and sender.is_alive()  # the rest waits in the socket
+            calls.hold = None
+            calls.release.set()
+            for seq in range(2, frames + 2):
+                got = recv_reply(raw.sock, bytearray(HEADER.size), "receiver", lambda: None,
+                                 TIMEOUT)
+                assert got is not None and got[0].seq == seq and got[0].code == Status.OK, got
+            sender.join(TIMEOUT)
+            assert np.array_equal(dst, src)
+        finally:
+            raw.sock.close()

@@ -72,6 +72,10 @@ _refused = Throttle(log)
 
 PARALLEL_MIN = 4 << 20
 """Windows of at least this many bytes are shared among the copy threads."""
+QUEUE_BYTES = 64 << 20
+"""Descriptor bytes a connection holds queued for its copier; past them the serving
+thread stops reading until the copier catches up (a sender cannot make the receiver
+hold more: it is pushed back through the socket)."""
 _CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
@@ -81,6 +85,7 @@ class _Reply:
     status: Status
     message: str = ""
     small = True
+    weight = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +96,7 @@ class _Pull:
     notice: bytes | None
     deadline: float  # monotonic: past it the sender may have given up
     sides: tuple[iov.Side, iov.Side] | None  # a small write's iovecs, built when checked
+    weight: int  # its descriptor's bytes, counted against QUEUE_BYTES while queued
 
     @property
     def small(self) -> bool:
@@ -171,7 +177,9 @@ class _Connection:
         self.gone = threading.Event()
         self.jobs: queue.SimpleQueue[_Reply | _Pull | None] = queue.SimpleQueue()
         self._queued = 0  # jobs handed to the copier and not yet answered
-        self._lock = threading.Lock()
+        self._held = 0  # ... and their descriptor bytes
+        self._cond = threading.Condition(threading.Lock())
+        self.held_back = threading.Event()  # set while the serving thread waits for room
         self.hdr = bytearray(HEADER.size)
 
     def run(self) -> None:
@@ -274,14 +282,29 @@ class _Connection:
     def _dispatch(self, job: _Reply | _Pull) -> None:
         """Hand ``job`` to the copier; or, when the copier has nothing to do and the
         job is one syscall's worth, serve it in this thread (a thread hand-off saved per
-        tiny handoff). Replies keep frame order: nothing else is queued or served."""
-        with self._lock:
+        tiny handoff). Replies keep frame order: nothing else is queued or served.
+        Waits while the queue holds :data:`QUEUE_BYTES` (this thread then reads no
+        more frames: the sender is held back by the socket)."""
+        with self._cond:
             here = self._queued == 0 and job.small
-            self._queued += not here
+            while (not here and self._held and self._held + job.weight > QUEUE_BYTES
+                   and not (self.gone.is_set() or self.server.closing)):
+                self.held_back.set()
+                self._cond.wait(0.5)  # also wakes to notice a close
+            self.held_back.clear()
+            if not here:
+                self._queued += 1
+                self._held += job.weight
         if here:
             self._serve(job)
         else:
             self.jobs.put(job)
+
+    def _done(self, job: _Reply | _Pull) -> None:
+        with self._cond:
+            self._queued -= 1
+            self._held -= job.weight
+            self._cond.notify_all()
 
     def _check(self, h: Header, desc: bytearray) -> _Reply | _Pull:
         """A WRITE, checked on both sides: a pull, or the refusal (nothing copied)."""
@@ -294,16 +317,17 @@ class _Connection:
         if problem is not None:
             return _Reply(h.seq, Status.OUT_OF_BOUNDS, problem)
         return _Pull(h.seq, src, dst, notice, time.monotonic() + self.server.io_timeout / 2,
-                     iov.few(src, dst))
+                     iov.few(src, dst), len(desc))
 
     # --- the copier -----------------------------------------------------------------------
 
     def _copy_loop(self) -> None:
         try:
             while (job := self.jobs.get()) is not None:
-                self._serve(job)
-                with self._lock:
-                    self._queued -= 1
+                try:
+                    self._serve(job)
+                finally:
+                    self._done(job)
         except OSError as e:  # the socket: the serving thread sees it too
             log.debug("cma server: connection from process %d ended: %s", self.pid, e)
         except Exception:  # never a silent death: the sender sees the connection drop
@@ -312,6 +336,8 @@ class _Connection:
             if not self.gone.is_set():
                 self.gone.set()
                 shut(self.sock)
+            with self._cond:
+                self._cond.notify_all()  # a serving thread held back may go on
 
     def _serve(self, job: _Reply | _Pull) -> None:
         """Answer one frame: its reply, or its pull then (the notice and) the reply."""
