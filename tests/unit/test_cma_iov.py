@@ -270,23 +270,38 @@ def test_the_real_syscall_in_this_process() -> None:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_small_writes_are_built_in_one_pass_alike(kind: str) -> None:
-    """The Python-integer path of a small write yields exactly the iovecs of the numpy
-    windows; a larger write is left to them."""
+def test_small_writes_are_built_in_one_pass(kind: str) -> None:
+    """The Python-integer path of a small write (one syscall) lands every byte as the
+    numpy executor does; a larger write is left to the windows."""
     b = _builder(9)
     p = b.plan(kind)
+    want = b.expected(p)
     src, dst = decode_write(encode_write(p))
     got = iov.few(src, dst)
-    wins = list(iov.windows(src, dst))
     if got is None:
         assert p.nbytes > iov.BATCH_BYTES or p.num_segments > 4 * iov.FEW, kind
         return
-    if not p:
-        assert not wins and not len(got[0].rows)
-        return
-    (local, remote), = wins
-    for a, w in ((got[0], local), (got[1], remote)):
-        assert np.array_equal(a.rows, w.rows) and np.array_equal(a.ends, w.ends)
+    local, remote = got
+    assert local.nbytes == remote.nbytes == p.nbytes
+    if p.nbytes:
+        iov.pull(process_vm_readv, os.getpid(), local, remote, 0, local.nbytes,
+                 stop=lambda: None)
+    for (_, d), exp in zip(b.dsts, want, strict=True):
+        assert np.array_equal(d, exp)
+
+
+def test_short_scattered_sources_are_pulled_in_source_order() -> None:
+    """A permutation of 4 KiB pages: the window's remote side is the source pages in
+    address order, merged into one iovec; the local side stays page by page."""
+    b = _builder(10)
+    page, n = 4096, 512
+    e = b.pair(src_unit=page, dst_unit=page, cap=n, n=n, pieces=[[0, 0, page, 1, page, page]])
+    want = b.expected(Plan(entries=(e,)))
+    src, dst = decode_write(encode_write(Plan(entries=(e,))))
+    (local, remote), = list(iov.windows(src, dst))
+    assert len(remote.rows) == 1 and len(local.rows) > n // 2
+    iov.pull(process_vm_readv, os.getpid(), local, remote, 0, local.nbytes, stop=lambda: None)
+    assert np.array_equal(b.dsts[0][1], want[0])
 
 
 def test_a_small_table_with_a_huge_row_count_is_left_to_the_windows() -> None:

@@ -43,6 +43,8 @@ BATCH_BYTES = 4 << 20
 """Bytes per syscall at most: a stop request waits for one batch (~1 ms)."""
 FEW = 64
 """Items of at most this many segments per side are built with Python integers."""
+SORT_BELOW = 64 << 10
+"""Windows whose segments average less are put in source order (see ``_window``)."""
 
 
 class Stopped(TransferFailed):
@@ -186,53 +188,54 @@ def _per_unit(rec: Record) -> int:
 
 
 def _window(items: list[tuple[Record, Record, int, int, int, int]]) -> tuple[Side, Side]:
-    local = [_segments(d, a, b, j0, j1) for _, d, a, b, j0, j1 in items]
-    remote = [_segments(s, a, b, j0, j1) for s, _, a, b, j0, j1 in items]
-    return _side(local), _side(remote)
+    """``(local, remote)`` of a window: its segments paired (a source and a destination
+    run of one length), put in source order when they are short, then merged on each
+    side. The kernel pins the sender's pages per remote iovec (a lock and a page-table
+    walk each): short scattered sources cost several times their copy, while runs of
+    adjacent source pages cost one; the receiver's side is written page by page at
+    memory speed either way. A plan writes each destination byte once, so the order in
+    which its segments land is free (as with RDMA writes)."""
+    src, dst, lens = _pairs(items)
+    if len(src) > 1 and int(lens.sum()) < SORT_BELOW * len(src) \
+            and bool((src[1:] < src[:-1]).any()):
+        order = np.argsort(src, kind="stable")
+        src, dst, lens = src[order], dst[order], lens[order]
+    return Side.of(dst, lens), Side.of(src, lens)
 
 
-def _segments(rec: Record, a: int, b: int, j0: int, j1: int
-              ) -> tuple[I64, I64] | list[tuple[int, int]]:
-    """Segments of units ``a:b``, rows ``j0:j1`` of a record: numpy arrays, or a
-    list of ``(start, length)`` for a few."""
-    ptr, unit, off, length, _, stride, idx = rec
-    rows = j1 - j0
-    whole = rows == 1 or stride == length
-    if (b - a) * (1 if whole else rows) <= FEW:
-        base = ptr + off + j0 * stride
-        units = [base + u * unit for u in idx[a:b].tolist()]
-        if whole:
-            return [(x, length * rows) for x in units]
-        return [(x + j * stride, length) for x in units for j in range(rows)]
-    starts = ptr + off + j0 * stride + idx[a:b] * unit
-    if whole:
-        return starts, np.full(len(starts), length * rows, np.int64)
-    starts = (starts[:, None] + np.arange(rows, dtype=np.int64) * stride).ravel()
-    return starts, np.full(len(starts), length, np.int64)
-
-
-def _side(parts: list[tuple[I64, I64] | list[tuple[int, int]]]) -> Side:
-    starts: list[I64] = []
-    lens: list[I64] = []
-    few: list[tuple[int, int]] = []
-    for p in parts:
-        if isinstance(p, list):
-            few += p
+def _pairs(items: list[tuple[Record, Record, int, int, int, int]]) -> tuple[I64, I64, I64]:
+    """Every segment of the items: ``(source starts, destination starts, lengths)``,
+    cut where either side's rows part (a few with Python integers, more with numpy)."""
+    arrays: list[tuple[I64, I64, I64]] = []
+    few: list[tuple[int, int, int]] = []
+    for s, d, a, b, j0, j1 in items:
+        rows, length = j1 - j0, s[3]
+        whole = rows == 1 or (s[5] == length and d[5] == length)
+        n, step = (1, length * rows) if whole else (rows, length)
+        if (b - a) * n <= FEW:
+            few += [(xs + j * s[5], xd + j * d[5], step)
+                    for xs, xd in zip(_bases(s, a, b, j0), _bases(d, a, b, j0), strict=True)
+                    for j in range(n)]
             continue
-        if few:
-            a = np.array(few, np.int64).reshape(-1, 2)
-            starts.append(a[:, 0])
-            lens.append(a[:, 1])
-            few = []
-        starts.append(p[0])
-        lens.append(p[1])
+        sb = s[0] + s[2] + j0 * s[5] + s[6][a:b] * s[1]
+        db = d[0] + d[2] + j0 * d[5] + d[6][a:b] * d[1]
+        if not whole:
+            sb = (sb[:, None] + np.arange(rows, dtype=np.int64) * s[5]).ravel()
+            db = (db[:, None] + np.arange(rows, dtype=np.int64) * d[5]).ravel()
+        arrays.append((sb, db, np.full(len(sb), step, np.int64)))
     if few:
-        a = np.array(few, np.int64).reshape(-1, 2)
-        starts.append(a[:, 0])
-        lens.append(a[:, 1])
-    if len(starts) == 1:
-        return Side.of(starts[0], lens[0])
-    return Side.of(np.concatenate(starts), np.concatenate(lens))
+        arrays.append(tuple(np.array(few, np.int64).reshape(-1, 3).T))  # type: ignore[arg-type]
+    if len(arrays) == 1:
+        return arrays[0]
+    return (np.concatenate([x[0] for x in arrays]), np.concatenate([x[1] for x in arrays]),
+            np.concatenate([x[2] for x in arrays]))
+
+
+def _bases(rec: Record, a: int, b: int, j0: int) -> list[int]:
+    """Where units ``a:b`` of a record start, from row ``j0`` (Python integers)."""
+    ptr, unit, off, _, _, stride, idx = rec
+    base = ptr + off + j0 * stride
+    return [base + u * unit for u in idx[a:b].tolist()]
 
 
 def pull(readv: ReadV, pid: int, local: Side, remote: Side, lo: int, hi: int, *,

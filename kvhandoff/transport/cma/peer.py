@@ -12,9 +12,9 @@ request.
 Each submit becomes one WRITE frame (the plan's paired records, :mod:`.frames`), written
 by the submitting thread when nothing is queued before it and the socket takes it at
 once, else by the peer's writer thread; when this side registered more memory since, a
-HELLO with the new regions goes first. The reader thread completes handles from the REPLYs, in
-order: DONE once the receiver pulled every byte (and delivered the notice). The bytes
-never pass through this process's threads.
+HELLO with the new regions goes first. The reader thread completes handles from the
+REPLYs, in order: DONE once the receiver pulled every byte (and delivered the notice).
+The bytes never pass through this process's threads.
 
 Closing waits (bounded) for the receiver to hang up: it stops pulling within one batch
 when it sees this side's end of the stream, so once ``close`` returns no byte of a
