@@ -2,12 +2,14 @@
 syscall is passed in (:data:`~kvhandoff.transport.cma.kernel.ReadV`).
 
 A WRITE's source record ``r`` and destination record ``r`` describe one byte stream in
-the same order (record by record, unit-major, then row; :mod:`.frames`). Each side
-becomes its own list of contiguous runs: ``process_vm_readv`` reads the remote iovecs
-and fills the local ones as two streams of equal length, so the sides need not be cut
-alike — a head-sliced destination fed from whole source pages costs one remote iovec
-per page and one local iovec per row, and pages contiguous on one side merge on that
-side only.
+the same order (record by record, unit-major, then row; :mod:`.frames`). A window's
+segments are paired (a source and a destination run of one length), put in source
+order when they are short (the kernel's cost is per *remote* iovec: adjacent source
+pages become one), and each side becomes its own list of contiguous runs:
+``process_vm_readv`` reads the remote iovecs and fills the local ones as two streams
+of equal length, so the sides need not be cut alike — a head-sliced destination fed
+from whole source pages costs one remote iovec per run of pages and one local iovec
+per row.
 
 Bounded whatever a peer sends: the stream is cut into *windows* of about
 :data:`WINDOW` segments per side (a record's units in slices, a huge unit's rows in
@@ -16,8 +18,9 @@ Within a window, each call takes at most ``IOV_MAX`` iovecs per side and
 ``batch_bytes`` bytes (so a stop request is seen within one batch); a partial copy
 continues where the kernel stopped.
 
-Tiny handoffs (a page per layer) are bound by per-call overhead: items of at most
-:data:`FEW` segments are addressed with Python integers, not numpy.
+Tiny handoffs (a page per layer) are bound by per-call overhead: a small write is
+built in one pass of Python integers (:func:`few`), and items of at most :data:`FEW`
+segments are addressed with Python integers, not numpy.
 """
 
 from __future__ import annotations
