@@ -30,7 +30,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--list-models", action="store_true", help="list models and exit")
     demo.add_argument("--prefill-tp", type=int, default=2, help="prefill TP size (default 2)")
     demo.add_argument("--decode-tp", type=int, default=1, help="decode TP size (default 1)")
-    demo.add_argument("--transport", default="tcp", help="transport backend (default tcp)")
+    demo.add_argument("--transport", default="auto",
+                      help="transport backend (default auto: cma on one host, else tcp)")
     demo.add_argument("--requests", type=int, default=4, help="prompts to hand off (default 4)")
     demo.add_argument("--max-new-tokens", type=int, default=16,
                       help="greedy tokens per request (default 16)")

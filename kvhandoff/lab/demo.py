@@ -3,13 +3,14 @@
 The parent starts a bootstrap server and two spawned engine processes
 (:mod:`kvhandoff.lab.demo_worker`): a prefill instance at TP ``--prefill-tp`` and a decode
 instance at TP ``--decode-tp``, each rank an agent of the session layer over a real
-transport (``tcp`` by default). For every prompt, decode admits it (prefix cache,
-destinations), prefill runs it chunk by chunk and sends as it goes, decode rebuilds the
-cache from its pools and decodes ``--max-new-tokens`` greedily. The prefill process
-then decodes the same prompt *colocated* (plain HF, its own cache, same chunks). A
-request passes when the tokens are equal and decode's cache equals prefill's (per-tensor
-digests). The prompts cover: shorter than a page multiple, page-aligned, several
-chunks and longer than the sliding window, and a decode prefix-cache hit. After the
+transport (``auto`` by default: cma between these processes on one host). For every
+prompt, decode admits it (prefix cache, destinations), prefill runs it chunk by chunk
+and sends as it goes, decode rebuilds the cache from its pools and decodes
+``--max-new-tokens`` greedily. The prefill process then decodes the same prompt
+*colocated* (plain HF, its own cache, same chunks). A request passes when the tokens
+are equal and decode's cache equals prefill's (per-tensor digests). The prompts cover:
+shorter than a page multiple, page-aligned, several chunks and longer than the sliding
+window, and a decode prefix-cache hit. After the
 last request both workers report their pools: the run passes only when every page, SWA
 page and slot is free again (a leak fails it and names the pool).
 
@@ -113,7 +114,7 @@ class Options:
     model: str = DEFAULT_MODEL
     prefill_tp: int = 2
     decode_tp: int = 1
-    transport: str = "tcp"
+    transport: str = "auto"
     requests: int = 4
     max_new_tokens: int = 16
     chunk: int = 16

@@ -37,6 +37,10 @@ serves the process's Prometheus metrics over HTTP (0: any free port; -1, the def
 served, though they are still collected for a host to merge); ``trace``
 (``KVHANDOFF_TRACE``) appends one JSON line per finished request to that file.
 
+Transport: ``transport`` [auto] names it (``KVHANDOFF_TRANSPORT``): ``auto`` picks, per
+peer, the fastest both sides can use (cma on one host, tcp or RDMA across hosts; see
+:mod:`kvhandoff.transport.auto`); ``transport_options`` go to its constructor.
+
 Security: ``secret_file`` (``KVHANDOFF_SECRET_FILE``) names the deployment secret
 (:mod:`kvhandoff.secret`); without one, the user's default secret is used (made on first
 use, readable by this user only), so a deployment is closed to other users without any
@@ -59,6 +63,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvhandoff.secret import PURPOSE_DATA, Secret, deployment_secret
+from kvhandoff.transport.registry import DEFAULT as DEFAULT_TRANSPORT
 
 ENV_PREFIX = "KVHANDOFF_"
 
@@ -87,7 +92,7 @@ class SessionConfig:
     host: str = "127.0.0.1"  # control socket bind address
     advertise_host: str = ""  # address peers dial (default: host, or 127.0.0.1 for 0.0.0.0)
     port: int = 0  # control socket port; 0 = any free port
-    transport: str = "tcp"  # transport name for create_transport
+    transport: str = DEFAULT_TRANSPORT  # for create_transport; "auto": the best per peer
     transport_options: Mapping[str, Any] = field(default_factory=dict)
     instance: str = "default"  # prefill deployment name (bootstrap key); decode label
     bootstrap_timeout: float = 30.0

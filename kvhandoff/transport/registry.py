@@ -20,11 +20,14 @@ _TARGETS: dict[str, str] = {
     "memory": "kvhandoff.transport.memory:MemoryTransport",
     "tcp": "kvhandoff.transport.tcp.transport:TcpTransport",
     "shm": "kvhandoff.transport.shm.transport:ShmTransport",
+    "cma": "kvhandoff.transport.cma.transport:CmaTransport",
+    "auto": "kvhandoff.transport.auto.transport:AutoTransport",
     "mooncake": "kvhandoff.transport.engines.mooncake:MooncakeTransport",
     "nixl": "kvhandoff.transport.engines.nixl:NixlTransport",
 }
 
-DEFAULT = "tcp"
+DEFAULT = "auto"
+"""The transport used when none is named: per peer, the fastest both sides can use."""
 
 
 def register_transport(name: str, target: str) -> None:
@@ -96,6 +99,8 @@ def create_transport(name: str = DEFAULT, *, data_secret: bytes | None = None,
 
 CUDA_TESTED: dict[str, str] = {
     "tcp": "host staging tested on an H100", "shm": "host staging tested on an H100",
+    "cma": "host staging, as tcp; not yet run on a GPU",
+    "auto": "host staging through cma or tcp; not yet run on a GPU",
     "nixl": "host staging tested on an H100; gpu_direct: GPU to GPU across processes "
             "tested there, host to GPU makes no progress",
     "mooncake": "untested"}
@@ -105,7 +110,7 @@ CUDA_TESTED: dict[str, str] = {
 nixl and mooncake can also register device memory themselves (their ``cuda=True``
 option, the connector's ``gpu_direct``)."""
 
-CUDA_STAGED_ONLY = frozenset({"tcp", "shm"})
+CUDA_STAGED_ONLY = frozenset({"tcp", "shm", "cma", "auto"})
 """Transports that move host memory only: a GPU KV cache reaches them through the host
 mirror alone."""
 

@@ -26,7 +26,8 @@ from kvhandoff.transport import (
 
 # Short timeouts so fault tests finish quickly; engines not listed use their defaults.
 _SHORT = {"io_timeout": 3.0, "connect_timeout": 3.0}
-OPTIONS: dict[str, dict[str, Any]] = {n: dict(_SHORT) for n in ("tcp", "shm", "mooncake", "nixl")}
+OPTIONS: dict[str, dict[str, Any]] = {n: dict(_SHORT) for n in ("tcp", "shm", "cma", "auto",
+                                                                "mooncake", "nixl")}
 
 _AVAILABLE = available_transports()
 
@@ -228,3 +229,38 @@ def serve_cuda_peer(conn: Any, name: str, nbytes: int, seed: int) -> None:
                 conn.send_bytes(buf.cpu().numpy().tobytes())
             else:
                 break
+
+
+NOBODY = 65534
+
+
+def serve_as_nobody(conn: Any, name: str, nbytes: int, seed: int) -> None:
+    """``serve_peer``, after this child gave up root for user ``nobody`` (spawned as root:
+    it imports what it needs first, since the interpreter's own files may not be
+    readable by nobody)."""
+    from kvhandoff.lab.testing.transport import serve_peer
+    from kvhandoff.transport.registry import transport_class
+
+    transport_class(name)  # import the transport while still root
+    os.setgroups([])
+    os.setresgid(NOBODY, NOBODY, NOBODY)
+    os.setresuid(NOBODY, NOBODY, NOBODY)
+    serve_peer(conn, name, OPTIONS.get(name, {}), nbytes, seed)
+
+
+def connect_undumpable(conn: Any, name: str, endpoint: bytes) -> None:
+    """A sender that made itself non-dumpable (``PR_SET_DUMPABLE 0``: only
+    ``CAP_SYS_PTRACE`` holders may read it) connects to ``endpoint``; sends back
+    ``"connected"`` or the error's text."""
+    import ctypes
+
+    from kvhandoff.transport import TransportError
+
+    ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE, 0
+    with make(name) as t:
+        t.register(np.zeros(4096, np.uint8))
+        try:
+            t.connect(endpoint).close()
+            conn.send("connected")
+        except TransportError as e:
+            conn.send(f"{type(e).__name__}: {e}")

@@ -22,7 +22,7 @@ from kvhandoff.transport import (
 )
 
 TIMEOUT = 30.0
-TWO_SIDED = ("tcp", "shm")  # DONE means the receiver acknowledged
+TWO_SIDED = ("tcp", "shm", "cma", "auto")  # DONE means the receiver acknowledged
 
 
 def _shift_last(p: Plan, by: int) -> Plan:

@@ -26,8 +26,8 @@ TIMEOUT = 30.0
 
 def test_registry_reports_every_transport() -> None:
     report = available_transports()
-    assert {"memory", "tcp", "shm", "mooncake", "nixl"} <= set(report)
-    assert report["memory"].ok and report["tcp"].ok
+    assert {"memory", "tcp", "shm", "cma", "auto", "mooncake", "nixl"} <= set(report)
+    assert report["memory"].ok and report["tcp"].ok and report["auto"].ok
     for ok, reason in report.values():
         assert isinstance(ok, bool) and reason
     with pytest.raises(TransportError, match="unknown transport"):
@@ -42,7 +42,10 @@ def test_transport_report_names_every_transport_and_why(monkeypatch: pytest.Monk
 
     lines = describe_transports()
     assert [ln.split()[0] for ln in lines] == list(available_transports())
-    assert any(ln.startswith("tcp") and "usable" in ln and "default" in ln for ln in lines)
+    assert any(ln.startswith("tcp") and "usable" in ln for ln in lines)
+    auto_line, = (ln for ln in lines if ln.startswith("auto"))  # the default says its pick
+    assert "default" in auto_line and "auto picks" in auto_line
+    assert "for a peer on this host" in auto_line and "another host" in auto_line
     monkeypatch.setitem(registry._TARGETS, "nope", "kvhandoff.transport.no_such_module:Nope")
     broken = [ln for ln in describe_transports() if ln.startswith("nope")]
     assert len(broken) == 1 and "NOT usable" in broken[0] and "no_such_module" in broken[0]

@@ -1,4 +1,5 @@
-"""``kvhandoff demo`` end to end: separate prefill and decode processes over tcp."""
+"""``kvhandoff demo`` end to end: separate prefill and decode processes over the default
+transport (auto: cma between two processes on one host)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def test_demo_hands_off_and_matches_colocated(capsys: pytest.CaptureFixture[str]
     out, trace = f"{tmp_path}/demo.json", f"{tmp_path}/trace.jsonl"
     assert cli.main([*SMALL, "--json", out, "--trace", trace, "--metrics-port", "0"]) == 0
     text = capsys.readouterr().out
-    assert "prefill TP 2 → decode TP 1 over tcp" in text
+    assert "prefill TP 2 → decode TP 1 over auto" in text
     assert text.count("tokens equal ✓") == 2 and "2/2 requests" in text and "✗" not in text
     assert "prefill and decode pools are empty after the run ✓" in text
     with open(out) as f:

@@ -49,6 +49,8 @@ SETUP["mistral"] = ([5, 16, 23, 37], 6)  # every layer sliding-window (8): no KV
 SETUP["mamba2"] = ([5, 16, 23, 37], 6)  # attention-free: no KV component either
 # the other transports: one or two architectures each, different state types
 OTHERS = [("shm", "qwen3_next", (2, 1)), ("shm", "deepseek_v4", (1, 2)),
+          ("cma", "qwen3_next", (2, 1)), ("cma", "deepseek_v4", (1, 2)),
+          ("auto", "nemotron_h", (2, 1)),
           ("mooncake", "nemotron_h", (1, 2)), ("mooncake", "gpt_oss", (2, 4)),
           ("nixl", "deepseek_v32", (2, 1)), ("nixl", "deepseek_v4", (2, 1))]
 

@@ -147,7 +147,7 @@ def test_checksums(worker_pair: WorkerPair, bootstrap: BootstrapServer, instance
     run(worker_pair, bootstrap, scenario(instance, topo, config={"checksum": True}))
 
 
-ENGINES = ["shm", "mooncake", "nixl"]
+ENGINES = ["shm", "cma", "auto", "mooncake", "nixl"]
 
 
 def _engine_params() -> list[object]:

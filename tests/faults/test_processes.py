@@ -109,7 +109,7 @@ def _engine_params() -> list[Any]:
         pytest.mark.skip(reason=f"{n}: {avail[n].reason}")]) for n in ENGINES]
 
 
-ENGINES = ["shm", "mooncake", "nixl"]
+ENGINES = ["shm", "cma", "mooncake", "nixl"]
 TRANSPORTS = [pytest.param("tcp", id="tcp"), *_engine_params()]
 
 

@@ -30,7 +30,7 @@ GB/s, barely disturbed by other work on the machine). After its cases each trans
 idles for a second, connected, and the CPU both processes use meanwhile is recorded
 (an idle transport must not spin).
 
-    kvhandoff bench transport                    # tcp, shm, mooncake, nixl: a few minutes
+    kvhandoff bench transport                    # tcp, shm, cma, mooncake, nixl: minutes
     kvhandoff bench transport --quick            # 32 MiB, 2 reps: seconds
     python benchmarks/transport.py --transports tcp,nixl --json out.json
 
@@ -68,7 +68,7 @@ CASES = ("pages_4k", "pages_32k", "pages_256k", "same_tp_16k", "head_sliced", "b
 TINY_N = 400  # timed tiny submits per transport, after TINY_WARM untimed ones
 TINY_WARM = 40
 TINY_GOAL_S = 0.4e-3  # the bare tcp transport's share of the session's 1 ms budget
-TRANSPORTS = ("tcp", "shm", "mooncake", "nixl")
+TRANSPORTS = ("tcp", "shm", "cma", "mooncake", "nixl")
 TIMEOUT = 300.0
 RAW_BATCH = 1024  # Mooncake's default per-peer queue; more in one call is rejected
 
@@ -221,15 +221,16 @@ class References:
         self.sample()  # warm up
 
     def sample(self) -> dict[str, float]:
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         np.copyto(self._dst, self._src)
         memcpy = self.nbytes / (time.perf_counter() - t) / 1e9
+        memcpy_cpu = (time.thread_time() - c) / (self.nbytes / 1e9)
         t = time.perf_counter()
         self._sock.sendall(memoryview(self._src.data))
         if self._sock.recv(1) != b"k":
             raise RuntimeError("raw socket sink went away")
         raw = self.nbytes / (time.perf_counter() - t) / 1e9
-        out = {"memcpy_gbps": memcpy, "raw_socket_gbps": raw}
+        out = {"memcpy_gbps": memcpy, "raw_socket_gbps": raw, "memcpy_cpu_s_per_gb": memcpy_cpu}
         self.samples.append(out)
         return out
 
@@ -592,6 +593,16 @@ def goals(rows: list[Row], idle: dict[str, dict[str, float]],
         ("mooncake-raw", "pages_4k"), 10.0)
     add("shm pages_256k >= 0.7x memcpy", ("shm", "pages_256k"), "memcpy_gbps", 0.7)
     add("shm pages_4k >= 0.4x memcpy", ("shm", "pages_4k"), "memcpy_gbps", 0.4)
+    add("cma pages_256k >= 0.9x memcpy", ("cma", "pages_256k"), "memcpy_gbps", 0.9)
+    add("cma pages_4k >= 0.6x memcpy", ("cma", "pages_4k"), "memcpy_gbps", 0.6)
+    for case, goal in (("pages_256k", 0.9), ("pages_4k", 0.6)):  # the same, per CPU-second
+        row = by.get(("cma", case))
+        if row is not None and row.cpu and row.refs:
+            mine = sum(row.cpu_per_gb())
+            ref = statistics.median(r["memcpy_cpu_s_per_gb"] for r in row.refs)
+            out.append(Goal(f"cma {case} CPU per GB >= {goal}x memcpy's (ratio: memcpy's / "
+                            f"cma's, both processes)", ref / mine if mine else 0.0, goal,
+                            "CPU-s per GB, medians: barely moved by other load"))
     add("nixl block >= 0.8x memcpy", ("nixl", "block"), "memcpy_gbps", 0.8)
     n_goals = len(out)
     for t in TRANSPORTS:
@@ -689,7 +700,8 @@ def main(argv: list[str] | None = None) -> int:
         refs.close()
     base = {**refs.medians(), **gathers}
     print("  references (medians over rounds): " + "   ".join(
-        f"{k[:-5]} {v:.2f} GB/s" for k, v in base.items()), flush=True)
+        f"{k[:-5]} {v:.2f} GB/s" if k.endswith("_gbps") else f"{k} {v:.3f}"
+        for k, v in base.items()), flush=True)
 
     results = goals(rows, idle, tiny,
                     base["copy_head_sliced_gbps"] / base["copy_same_tp_16k_gbps"])

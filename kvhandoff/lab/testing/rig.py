@@ -39,7 +39,7 @@ from kvhandoff.layout import Layout
 from kvhandoff.session import Agent, Receiver, Sender, SessionConfig, Status
 from kvhandoff.transport import Transport, create_transport
 
-FAST: dict[str, Any] = {"bootstrap_timeout": 5.0, "indices_timeout": 5.0,
+FAST: dict[str, Any] = {"transport": "tcp", "bootstrap_timeout": 5.0, "indices_timeout": 5.0,
                         "waiting_timeout": 5.0, "transfer_timeout": 5.0,
                         "release_timeout": 3.0, "heartbeat_interval": 0.1,
                         "heartbeat_timeout": 1.0, "register_retries": 0, "workers": 2}

@@ -19,6 +19,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import errno
+import json
 import logging
 import socket
 import threading
@@ -49,7 +50,7 @@ from kvhandoff.transport.framing.handshake import (
     refusal,
 )
 from kvhandoff.transport.framing.io import recv_exact, recv_header
-from kvhandoff.transport.framing.wire import HEADER, Header, Kind
+from kvhandoff.transport.framing.wire import HEADER, Header, Kind, Status, reply_error
 from kvhandoff.transport.throttle import Throttle
 
 log = logging.getLogger("kvhandoff.transport")
@@ -356,6 +357,14 @@ class WorkerPeer(Peer):
         self._pending: set[Tracked] = set()
         self._threads: list[threading.Thread] = []
 
+    def _start(self, *loops: tuple[Callable[[], None], str]) -> None:
+        """Start one daemon worker thread per ``(loop, thread name)``, each run under
+        :meth:`_guard`, into ``self._threads``."""
+        self._threads = [threading.Thread(target=self._guard, args=(loop,), daemon=True,
+                                          name=name) for loop, name in loops]
+        for t in self._threads:
+            t.start()
+
     @abc.abstractmethod
     def submit(self, plan: Plan) -> Handle:
         """Queue ``plan`` (validated by the transport); returns its handle at once."""
@@ -404,6 +413,15 @@ class WorkerPeer(Peer):
                 raise ProtocolError(f"{self.name} replied to frame {h.seq}, which is not the "
                                     f"oldest in flight")
             on_reply(inflight.popleft(), h, message)
+
+    def _replied(self, item: Tracked, h: Header, message: str) -> None:
+        """What a REPLY does to the transfer it answers (the usual ``on_reply`` of
+        :meth:`_read_replies`): DONE on OK, else failed with the receiver's verdict."""
+        if h.code == Status.OK:
+            item.handle.set_done()
+        else:
+            item.handle.set_failed(reply_error(h.code, message, self.name))
+        self._forget(item)
 
     def _guard(self, loop: Callable[..., None], *args: Any) -> None:
         """Run a worker loop; turn whatever ends it into a lost peer (never raise)."""
@@ -473,6 +491,45 @@ def shut(sock: socket.socket) -> None:
     """Shut a socket down both ways (wakes a thread blocked on it); errors ignored."""
     with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
+
+
+def unix_listener(address: str) -> socket.socket:
+    """A listening Unix stream socket bound to ``address`` (abstract when it starts with
+    NUL: nothing on disk, reachable within this network namespace only)."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(address)
+        listener.listen(64)
+    except BaseException:
+        listener.close()
+        raise
+    return listener
+
+
+def require_positive(transport: str, **options: float) -> None:
+    """ValueError naming ``transport`` and every option given that is not positive
+    (timeouts in seconds, counts of threads or connections)."""
+    bad = [f"{k}={v}" for k, v in options.items() if not v > 0]
+    if bad:
+        raise ValueError(f"{transport} transport needs positive {', '.join(options)}; got "
+                         f"{', '.join(bad)}")
+
+
+def endpoint_fields(raw: bytes, kind: str, version: int, *fields: str) -> list[Any]:
+    """The ``fields`` of a JSON endpoint of ``kind`` and ``version``; ConnectError naming
+    what is wrong otherwise (not JSON, another transport or version, a field missing)."""
+    try:
+        ep = json.loads(raw)
+        got_kind, got_version = ep["kind"], ep["v"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConnectError(f"not a {kind} transport endpoint: {raw[:80]!r}") from e
+    if got_kind != kind or got_version != version:
+        raise ConnectError(f"endpoint is {got_kind!r} v{got_version}; this is {kind!r} "
+                           f"v{version}")
+    try:
+        return [ep[f] for f in fields]
+    except KeyError as e:
+        raise ConnectError(f"{kind} endpoint lacks {e}: {raw[:80]!r}") from None
 
 
 class ServedTransport(Transport):

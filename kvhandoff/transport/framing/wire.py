@@ -55,11 +55,16 @@ MAX_PAYLOAD = 1 << 32  # a hostile frame can make a receiver allocate or wait fo
 MAX_RECORDS = 1 << 22
 _FIELDS = 7
 _FEW = 64  # record tables up to this size are bounds-checked without vectorising
+_FEW_UNITS = 4096  # ... with their index ranges in Python up to this many indices
 _LIMIT = float(1 << 62)  # any address arithmetic beyond this is refused, never wrapped
+_DST = ("destination", "the receiver's")
+SRC = ("source", "the sender's")
+"""``whose`` for :meth:`Records.problem` on a table of the sender's sources."""
 
 
 class Kind(enum.IntEnum):
-    HELLO = 1  # client → server (staging, shm): open the session after the handshake; empty
+    HELLO = 1  # client → server (staging, shm, cma): open the session after the handshake
+    # (empty; cma: the sender's probe and regions, and later its updated regions)
     WRITE = 2  # client → server, description = records, payload = bytes
     REPLY = 3  # server → client, code = Status, description = utf-8 message
     BYE = 4  # client → server (staging control only), no description: a clean goodbye
@@ -71,6 +76,7 @@ class Status(enum.IntEnum):
     MALFORMED = 2
     INTERNAL = 3
     BAD_TOKEN = 4  # no longer sent (keys are proven by handshake_auth); kept for the code
+    REFUSED = 5  # the receiver will not do it (cma: the kernel forbids reading the sender)
 
 
 def reply_error(status: int, message: str, peer: str) -> TransportError:
@@ -84,6 +90,8 @@ def reply_error(status: int, message: str, peer: str) -> TransportError:
         return ConnectError(f"{peer}: {message}")
     if status == Status.INTERNAL:
         return TransferFailed(f"{peer} failed internally: {message}")
+    if status == Status.REFUSED:
+        return RemoteRefused(f"{peer} refused: {message}")
     return RemoteRefused(f"{peer} answered status {status}: {message}")
 
 
@@ -197,16 +205,17 @@ class Records:
         bounds = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
         return Records(table[:, :6].astype(np.int64), idx.astype(np.int64), bounds)
 
-    def problem(self, table: RegionTable) -> str | None:
+    def problem(self, table: RegionTable, whose: tuple[str, str] = _DST) -> str | None:
         """None if every described byte lies in ``table``, else a sentence naming the
         first offending record. Vectorised; exact (see regions.py on envelopes). A few
         records (a typical frame) are checked with Python integers instead: one numpy
-        call per record beats twenty on arrays of three."""
+        call per record beats twenty on arrays of three. ``whose``: what the bytes and
+        the table are, for the sentence (by default the receiver's destinations)."""
         if len(self) <= _FEW:
-            return self._problem_few(table)
-        return self._problem_many(table)
+            return self._problem_few(table, whose)
+        return self._problem_many(table, whose)
 
-    def _problem_many(self, table: RegionTable) -> str | None:
+    def _problem_many(self, table: RegionTable, whose: tuple[str, str] = _DST) -> str | None:
         sizes = np.diff(self.bounds)
         ptr, unit, off, length, count, stride = (self.fields[:, k] for k in range(6))
         active = (sizes > 0) & (length > 0) & (count > 0)
@@ -233,17 +242,24 @@ class Records:
         if ok.all():
             return None
         bad = int(np.argmin(ok))
-        return (f"destination bytes [{int(lo[bad]):#x}, {int(hi[bad]):#x}) of record "
-                f"{int(a[bad])} lie outside the receiver's registered memory")
+        return _outside(whose, int(lo[bad]), int(hi[bad]), int(a[bad]))
 
-    def _problem_few(self, table: RegionTable) -> str | None:
+    def _problem_few(self, table: RegionTable, whose: tuple[str, str] = _DST) -> str | None:
         fields, bounds = self.fields.tolist(), self.bounds.tolist()
+        # few indices: one conversion, each record's range in Python; else numpy's
+        units = self.idx.tolist() if len(self.idx) <= _FEW_UNITS else None
         for r, (ptr, unit, off, length, count, stride) in enumerate(fields):
-            idx = self.idx[bounds[r]:bounds[r + 1]]
-            if not len(idx) or not length or not count:
+            a, z = bounds[r], bounds[r + 1]
+            if a == z or not length or not count:
                 continue
-            span = piece_span(ptr, unit, idx, off, length, count, stride)
+            mine = None if units is None else units[a:z]
+            span = piece_span(ptr, unit, self.idx[a:z], off, length, count, stride,
+                              None if mine is None else (min(mine), max(mine)))
             if not table.contains(span):
-                return (f"destination bytes [{span.lo:#x}, {span.hi:#x}) of record {r} lie "
-                        f"outside the receiver's registered memory")
+                return _outside(whose, span.lo, span.hi, r)
         return None
+
+
+def _outside(whose: tuple[str, str], lo: int, hi: int, record: int) -> str:
+    return (f"{whose[0]} bytes [{lo:#x}, {hi:#x}) of record {record} lie outside "
+            f"{whose[1]} registered memory")

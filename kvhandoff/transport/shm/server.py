@@ -21,7 +21,7 @@ import socket
 
 from kvhandoff.transport.errors import ProtocolError
 from kvhandoff.transport.framing.io import recv_header
-from kvhandoff.transport.framing.served import MAX_PER_HOST, ThreadedServer
+from kvhandoff.transport.framing.served import MAX_PER_HOST, ThreadedServer, unix_listener
 from kvhandoff.transport.framing.wire import HEADER, Header, Kind, Status
 from kvhandoff.transport.shm.arena import Arenas
 
@@ -35,14 +35,7 @@ class ShmServer(ThreadedServer):
     def __init__(self, address: str, *, key: bytes, endpoint_id: str, arenas: Arenas,
                  io_timeout: float, max_per_host: int = MAX_PER_HOST) -> None:
         self.address, self.arenas, self.io_timeout = address, arenas, io_timeout
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            listener.bind(address)
-            listener.listen(64)
-        except BaseException:
-            listener.close()
-            raise
-        super().__init__(listener, "shm", key=key, endpoint_id=endpoint_id,
+        super().__init__(unix_listener(address), "shm", key=key, endpoint_id=endpoint_id,
                          max_per_host=max_per_host)
 
     def serve(self, conn: socket.socket) -> None:

@@ -35,7 +35,6 @@ import os
 import queue
 import secrets
 import socket
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -57,10 +56,13 @@ from kvhandoff.transport.framing.served import (
     MAX_PER_HOST,
     ServedTransport,
     WorkerPeer,
+    endpoint_fields,
     prove,
+    require_positive,
     shut,
 )
-from kvhandoff.transport.framing.wire import HEADER, Header, Kind, Status, reply_error
+from kvhandoff.transport.framing.wire import HEADER, Header, Kind, Status
+from kvhandoff.transport.host import boot_id
 from kvhandoff.transport.regions import U8, RegionTable, plan_side_problem
 from kvhandoff.transport.shm.arena import Arenas, map_fd
 from kvhandoff.transport.shm.server import MAX_FDS, ShmServer
@@ -68,15 +70,6 @@ from kvhandoff.transport.small import copy_views, plan_views
 from kvhandoff.transport.views import by_source, copy_entry, split_work
 
 ENDPOINT_VERSION = 2  # v2: the endpoint id, and the data-plane handshake
-
-
-def host_id() -> str:
-    """Identifies this machine boot (same value ⇔ shared memory can be mapped)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return socket.gethostname()
 
 
 def _copy_all(entries: list[TensorPlan], src: RegionTable, dst: RegionTable) -> None:
@@ -107,14 +100,7 @@ class ShmPeer(WorkerPeer):
         self._inflight: deque[_Job] = deque()
         self._seq = 0
         self._sock, self.remote = self._dial(address, key, endpoint_id, connect_timeout)
-        self._threads = [
-            threading.Thread(target=self._guard, args=(self._copy_loop,), daemon=True,
-                             name="kvh-shm-copy"),
-            threading.Thread(target=self._guard, args=(self._read_loop,), daemon=True,
-                             name="kvh-shm-read"),
-        ]
-        for t in self._threads:
-            t.start()
+        self._start((self._copy_loop, "kvh-shm-copy"), (self._read_loop, "kvh-shm-read"))
 
     def _dial(self, address: str, key: bytes, endpoint_id: str, timeout: float
               ) -> tuple[socket.socket, RegionTable]:
@@ -209,14 +195,7 @@ class ShmPeer(WorkerPeer):
                 f.result()  # bounded: a memory copy; re-raises a worker's error
 
     def _read_loop(self) -> None:
-        self._read_replies(self._sock, self._inflight, self._io_timeout, self._on_reply)
-
-    def _on_reply(self, job: _Job, h: Header, message: str) -> None:
-        if h.code == Status.OK:
-            job.handle.set_done()
-        else:
-            job.handle.set_failed(reply_error(h.code, message, self.name))
-        self._forget(job)
+        self._read_replies(self._sock, self._inflight, self._io_timeout, self._replied)
 
     def _wake(self) -> None:
         shut(self._sock)
@@ -244,10 +223,9 @@ class ShmTransport(ServedTransport):
                  copy_threads: int = 2, data_secret: bytes | None = None,
                  max_connections_per_host: int = MAX_PER_HOST) -> None:
         super().__init__()
-        if (io_timeout <= 0 or connect_timeout <= 0 or copy_threads < 1
-                or max_connections_per_host < 1):
-            raise ValueError("shm transport needs positive timeouts, copy_threads >= 1 and "
-                             "max_connections_per_host >= 1")
+        require_positive(self.name, io_timeout=io_timeout, connect_timeout=connect_timeout,
+                         copy_threads=copy_threads,
+                         max_connections_per_host=max_connections_per_host)
         # helpers beside each peer's copier thread; threads start on first use
         self._pool_size = copy_threads - 1
         self._pool = ThreadPoolExecutor(max_workers=max(1, self._pool_size),
@@ -283,23 +261,17 @@ class ShmTransport(ServedTransport):
                     key=derive_key(self._token.encode(), self._data_secret),
                     endpoint_id=self._id, arenas=self._arenas, io_timeout=self._io_timeout,
                     max_per_host=self._max_per_host)
-        return json.dumps({"kind": "shm", "v": ENDPOINT_VERSION, "host": host_id(),
+        return json.dumps({"kind": "shm", "v": ENDPOINT_VERSION, "host": boot_id(),
                            "address": f"kvhandoff-shm-{self._id}",
                            "token": self._token, "id": self._id}).encode()
 
     def connect(self, peer_endpoint: bytes) -> ShmPeer:
         self._check_open()
-        try:
-            ep = json.loads(peer_endpoint)
-            kind, version = ep["kind"], ep["v"]
-            host, address, token, eid = ep["host"], ep["address"], ep["token"], ep["id"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise ConnectError(f"not an shm transport endpoint: {peer_endpoint[:80]!r}") from e
-        if kind != "shm" or version != ENDPOINT_VERSION:
-            raise ConnectError(f"endpoint is {kind!r} v{version}, not 'shm' v{ENDPOINT_VERSION}")
-        if host != host_id():
+        host, address, token, eid = endpoint_fields(peer_endpoint, "shm", ENDPOINT_VERSION,
+                                                    "host", "address", "token", "id")
+        if host != boot_id():
             raise ConnectError("the shm transport only reaches peers on this host "
-                               f"(peer boot id {host}, ours {host_id()}); use tcp")
+                               f"(peer boot id {host}, ours {boot_id()}); use tcp")
         return self._adopt(ShmPeer(
             peer_endpoint, address="\0" + str(address),
             key=derive_key(str(token).encode(), self._data_secret), endpoint_id=str(eid),

@@ -37,7 +37,7 @@ from kvhandoff.plan.model import Plan
 from kvhandoff.transport.base import Capabilities, Handle, Peer
 from kvhandoff.transport.errors import ConnectError
 from kvhandoff.transport.framing.handshake import derive_key, new_endpoint_id
-from kvhandoff.transport.framing.served import MAX_PER_HOST, ServedTransport
+from kvhandoff.transport.framing.served import MAX_PER_HOST, ServedTransport, endpoint_fields
 from kvhandoff.transport.framing.wire import MAX_PAYLOAD
 from kvhandoff.transport.regions import RegionTable
 from kvhandoff.transport.small import MAX_BYTES
@@ -61,18 +61,11 @@ class TcpEndpoint:
     @staticmethod
     def parse(raw: bytes) -> TcpEndpoint:
         """ConnectError if ``raw`` is not a tcp endpoint of this version."""
+        host, port, token, eid = endpoint_fields(raw, ENDPOINT_KIND, ENDPOINT_VERSION,
+                                                 "host", "port", "token", "id")
         try:
-            ep = json.loads(raw)
-            kind, version = ep["kind"], ep["v"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise ConnectError(f"not a tcp transport endpoint: {raw[:80]!r}") from e
-        if kind != ENDPOINT_KIND or version != ENDPOINT_VERSION:
-            raise ConnectError(f"endpoint is {kind!r} v{version}; this is {ENDPOINT_KIND!r} "
-                               f"v{ENDPOINT_VERSION}")
-        try:
-            return TcpEndpoint(host=str(ep["host"]), port=int(ep["port"]),
-                               token=str(ep["token"]), id=str(ep["id"]))
-        except (ValueError, KeyError, TypeError) as e:
+            return TcpEndpoint(host=str(host), port=int(port), token=str(token), id=str(eid))
+        except (ValueError, TypeError) as e:
             raise ConnectError(f"not a tcp transport endpoint: {raw[:80]!r}") from e
 
 
