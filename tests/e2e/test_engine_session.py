@@ -214,7 +214,7 @@ def test_the_reference_engine_keys_its_data_plane(bootstrap_url: str, tmp_path: 
         with create_transport("tcp") as stranger, \
                 pytest.raises(ConnectError, match="data-plane handshake failed"):
             stranger.connect(endpoint)
-        with open_transport(cfg) as keyed:
+        with open_transport(cfg.replace(transport="tcp")) as keyed:
             keyed.connect(endpoint)
     finally:
         link.close()
