@@ -377,9 +377,11 @@ def _counted(role: str) -> float:
     """Successful requests of ``role`` in kvhandoff's own metrics of this process."""
     from kvhandoff.observe.report import process_metrics
 
-    value = process_metrics().registry.get_sample_value(
-        "kvhandoff_requests_total", {"role": role, "transport": "tcp", "status": "success"})
-    return float(value or 0.0)
+    return float(sum(  # over every transport label (auto names the one it picked)
+        sample.value for family in process_metrics().registry.collect()
+        for sample in family.samples
+        if sample.name == "kvhandoff_requests_total" and sample.labels.get("role") == role
+        and sample.labels.get("status") == "success"))
 
 
 def _class(kind: str) -> Any:
