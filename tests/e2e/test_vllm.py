@@ -40,6 +40,7 @@ from kvhandoff.lab.vllm.serve import (
     post_json,
 )
 from kvhandoff.lab.vllm.tiny import SERVE_ARGS
+from kvhandoff.transport.registry import transport_class
 
 pytestmark = pytest.mark.vllm
 
@@ -189,6 +190,24 @@ def test_handoff_is_token_exact_and_byte_exact(pair: Pair, prompt: str) -> None:
     sides = _digests(pair.dump, str(params["kvh_request_id"]))
     assert sides["prefill"], "prefill recorded no blocks"
     assert sides["decode"] == sides["prefill"]
+    _settled(pair.decode)
+    _settled(pair.prefill)
+
+
+CMA = transport_class("cma").usable()
+
+
+@pytest.mark.skipif(not CMA.ok, reason=f"cma cannot run here: {CMA.reason}")
+def test_the_default_transport_is_the_single_copy_one_and_vllm_logs_it(pair: Pair) -> None:
+    """Two servers of one host on the default transport (``auto``) move the bytes with
+    cma, and the library's line saying so reaches vLLM's log (the connector shows the
+    library's lines there)."""
+    local, handed, _ = _handoff(pair, PROMPTS[0])
+    assert handed == local
+    logs = pair.prefill.log_path.read_text(errors="replace") + \
+        pair.decode.log_path.read_text(errors="replace")
+    assert "transport auto: using cma for a peer on this host" in logs
+    assert "transport auto: using tcp" not in logs
     _settled(pair.decode)
     _settled(pair.prefill)
 

@@ -93,11 +93,12 @@ def _side(url: str, producer: bool, fill: bool, instance: str, *,
 
 
 def _staged_side(url: str, producer: bool, fill: bool, instance: str, transport: str,
-                 device: str = "cpu") -> Side:
+                 device: str = "cpu", *, stage: bool = True) -> Side:
     """As the connector sets a worker up for vLLM's tensors on ``device``: a mirror of
     their shared storage registered instead (what it does for a GPU cache, and on CPU
-    when ``host_staging`` forces it). Aux rows come from the transport where it
-    insists."""
+    when ``host_staging`` forces it, ``stage``), or, on CPU without ``stage``, whatever
+    the kit's placement decides for ``transport``. Aux rows come from the transport
+    where it insists."""
     host = torch.zeros(BLOCKS * PAGE, dtype=torch.uint8)
     if fill:
         host[:] = torch.from_numpy(np.random.default_rng(7).integers(0, 256, host.numel(),
@@ -107,8 +108,7 @@ def _staged_side(url: str, producer: bool, fill: bool, instance: str, transport:
                "model.layers.1.self_attn.attn": dev.view(torch.bfloat16).view(
                    BLOCKS, HEADS, BS, C)}
     mem = kv_memory(tensors, [g.layer_names for g in GROUPS], _config(instance, transport),
-                    producer=producer, host_staging=device == "cpu")
-    assert mem.staging is not None
+                    producer=producer, host_staging=stage and device == "cpu")
     rows = AuxPool(4, allocate=mem.allocate)
     aux = rows.component.tensors[0]
     layout = build_layout(GROUPS, {n: tensor_info(t) for n, t in mem.tensors.items()},
@@ -134,12 +134,13 @@ def pair() -> Iterator[tuple[Side, Side, str]]:
 
 
 @contextlib.contextmanager
-def _sides(transport: str, device: str) -> Iterator[tuple[Side, Side, str]]:
+def _sides(transport: str, device: str, *, stage: bool = True
+           ) -> Iterator[tuple[Side, Side, str]]:
     with BootstrapServer() as srv:
         name = f"vllm-staged-{transport}-{device}-{time.monotonic_ns()}"
-        p = _staged_side(srv.url, True, True, name, transport, device)
+        p = _staged_side(srv.url, True, True, name, transport, device, stage=stage)
         try:
-            d = _staged_side(srv.url, False, False, name, transport, device)
+            d = _staged_side(srv.url, False, False, name, transport, device, stage=stage)
         except BaseException:
             p.worker.close()
             raise
@@ -246,6 +247,35 @@ def test_a_staged_handoff_lands_byte_exact_in_the_device_tensors(
     _until(d, "d-s", 1)
     _until(p, "p-s", 0)
     _assert_landed(p, d, before)
+
+
+@pytest.mark.parametrize("transport", ["cma", "auto"])
+def test_a_same_host_handoff_moves_vllms_own_tensors_with_no_mirror(transport: str) -> None:
+    """On the same-host single-copy path (cma, and auto, which picks cma between two
+    processes of one host) vLLM's CPU tensors are registered in place: no staging, no
+    memory from the transport; the regions each worker's transport holds are vLLM's
+    own storage and the aux rows, nothing else; and the bytes land in decode's tensors
+    themselves, each moved once (prefill's tensor → decode's tensor)."""
+    assert transport_class("cma").usable().ok, transport_class("cma").usable().reason
+    with _sides(transport, "cpu", stage=False) as (p, d, url):
+        for side in (p, d):
+            w = side.worker
+            assert w.staging is None and side.device is not None
+            storage = side.device.untyped_storage()
+            lo, hi = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+            kv = [t for c in w.layout.components if c.name != "aux" for t in c.tensors]
+            assert all(lo <= t.ptr < hi for t in kv)
+            aux = w.layout.component("aux").tensors[0]
+            held = {(r.ptr, r.nbytes) for r in w.agent.transport.local.regions}
+            assert held == {(storage.data_ptr(), storage.nbytes()), (aux.ptr, aux.nbytes)}
+        before = p.memory().copy()
+        p.worker.start(StepMeta(sends=[SendReq("p-c", ((3,), (1, 2)), 40)]))
+        d.worker.start(StepMeta(recvs=[RecvReq("d-c", "p-c", url,
+                                               p.worker.agent.config.instance,
+                                               ((6,), (4, 5)), 0, 40)]))
+        _until(d, "d-c", 1)
+        _until(p, "p-c", 0)
+        _assert_landed(p, d, before)
 
 
 def _assert_landed(p: Side, d: Side, before: np.ndarray) -> None:

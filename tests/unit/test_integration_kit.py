@@ -67,6 +67,11 @@ def test_adapters_reach_only_public_faces(adapter: str) -> None:
     ("tcp", True, {}, kit.How.IN_PLACE, False, False),
     ("tcp", False, {}, kit.How.IN_PLACE, False, False),
     ("shm", True, {"mirror": True}, kit.How.IN_PLACE, False, False),
+    # the same-host single copy pulls into any registered host memory: no mirror, either side
+    ("cma", False, {"mirror": True, "relocate": True}, kit.How.IN_PLACE, False, False),
+    ("cma", True, {"mirror": True}, kit.How.IN_PLACE, False, False),
+    ("auto", False, {"mirror": True, "relocate": True}, kit.How.IN_PLACE, False, False),
+    ("cma", False, {"cuda": True, "mirror": True}, kit.How.MIRROR, False, False),
     ("shm", False, {"mirror": True}, kit.How.MIRROR, True, False),
     ("shm", False, {"relocate": True}, kit.How.RELOCATE, True, False),
     ("tcp", True, {"cuda": True, "mirror": True}, kit.How.MIRROR, False, False),

@@ -11,7 +11,8 @@ vLLM registered its KV caches). Load it with::
                            "kv_connector_extra_config": {"bootstrap": "10.0.0.3:8998"}}'
 
 ``kv_connector_extra_config`` keys: ``bootstrap`` (required: ``host:port`` of a running
-``kvhandoff bootstrap``), ``transport`` (``tcp`` default; ``shm``, ``mooncake``, ``nixl``),
+``kvhandoff bootstrap``), ``transport`` (``auto`` default: per peer, ``cma`` on this
+host, tcp or RDMA across; or name one: ``cma``, ``tcp``, ``shm``, ``mooncake``, ``nixl``),
 ``instance`` (the prefill deployment's name, default ``default``), ``host`` (control
 socket bind address), ``aux_rows`` (handoffs in flight per worker, default 1024),
 ``host_staging`` and ``gpu_direct`` (see below), ``hook`` and ``hook_config`` (a test
@@ -115,6 +116,7 @@ class KvhandoffConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        _log_through_vllm()
         ktc = vllm_config.kv_transfer_config
         extra = dict(ktc.kv_connector_extra_config or {})
         if not extra.get("bootstrap"):
@@ -289,6 +291,22 @@ class KvhandoffConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
 
 _MAMBA_KINDS = {"MAMBA1": "mamba1", "MAMBA2": "mamba2", "GDN_ATTN": "gdn"}
+
+
+def _log_through_vllm() -> None:
+    """Show the library's own lines (which transport ``auto`` picked for a peer and why,
+    a lease that ran out, a peer dropped) in vLLM's log: vLLM configures only its
+    ``vllm`` logger, so they would otherwise go nowhere. The ``kvhandoff`` logger gets
+    vLLM's handlers at INFO, once per process, unless a deployment configured it
+    already (it has handlers) or vLLM's logging is off (no handlers to share)."""
+    lib, vllm_log = logging.getLogger("kvhandoff"), logging.getLogger("vllm")
+    if lib.handlers or not vllm_log.handlers:
+        return
+    for h in vllm_log.handlers:
+        lib.addHandler(h)
+    if lib.level == logging.NOTSET:
+        lib.setLevel(logging.INFO)
+    lib.propagate = False  # the root's handlers, if any, would print each line twice
 
 
 def _mamba(spec: object, hf: Any) -> MambaInfo | None:

@@ -64,6 +64,7 @@ from kvhandoff.lab.vllm.serve import (
 )
 from kvhandoff.lab.vllm.tiny import MODELS, SERVE_ARGS, serve_dtype
 from kvhandoff.plan.format import human_size
+from kvhandoff.transport.registry import DEFAULT as DEFAULT_TRANSPORT
 
 MODEL_KIND = "granitemoehybrid"
 DEFAULT_TOKENS = (5, 60, 250, 600)
@@ -265,7 +266,8 @@ def _progress(name: str, every: float = 60.0) -> ProgressFn:
     return progress
 
 
-def kv_config(connector: str, role: str, bootstrap: str | None, transport: str = "tcp",
+def kv_config(connector: str, role: str, bootstrap: str | None,
+              transport: str = DEFAULT_TRANSPORT,
               dump: Path | None = None) -> dict[str, Any]:
     """The ``--kv-transfer-config`` of one side (``role``: kv_producer / kv_consumer);
     ``transport`` is kvhandoff's; ``dump``: where the lab's dump hook appends what each
@@ -593,7 +595,7 @@ class Options:
     repeat: int
     kind: str = MODEL_KIND
     dtype: str = "float32"
-    transport: str = "tcp"
+    transport: str = DEFAULT_TRANSPORT
 
 
 def build_model(opts: Options) -> Path:
@@ -778,8 +780,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--start-timeout", type=float, default=START_TIMEOUT_S,
                    help=f"seconds each vLLM server may take to start "
                         f"(default {START_TIMEOUT_S:.0f})")
-    p.add_argument("--transport", default="tcp", choices=("tcp", "shm", "nixl", "mooncake"),
-                   help="kvhandoff's transport (default tcp)")
+    p.add_argument("--transport", default=DEFAULT_TRANSPORT,
+                   choices=("auto", "cma", "tcp", "shm", "nixl", "mooncake"),
+                   help=f"kvhandoff's transport (default {DEFAULT_TRANSPORT}: per peer, the "
+                        f"fastest both sides can use)")
     p.add_argument("--kind", default=MODEL_KIND, choices=sorted(MODELS),
                    help=f"which tiny model (default {MODEL_KIND})")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
