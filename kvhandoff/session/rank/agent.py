@@ -12,12 +12,13 @@ transport peer or bootstrap registration behind)::
         r = Receiver(agent, "10.0.0.3:8998", request_id)   # see receiver.py
 
 A role is a type: :class:`PrefillAgent` and :class:`DecodeAgent` share the core
-:class:`Agent`, and what belongs to one role is a method of that class only
-(``handshake`` and ``groups`` on decode; ``notice``, ``defer_write`` and
-``write_failed`` on prefill). A :class:`Sender` takes a prefill agent and a
-:class:`Receiver` a decode agent, so a role-wrong call is refused by the type checker.
-``Agent(layout, role=...)``, ``Agent.prefill(...)`` and ``Agent.decode(...)`` are
-factories that return the role's class (typed as such when the role is a literal).
+:class:`AgentCore` (through :class:`Agent`, their common base and factory), and what
+belongs to one role is a method of that class only (``handshake`` and ``groups`` on
+decode; ``notice``, ``defer_write`` and ``write_failed`` on prefill). A :class:`Sender`
+takes a prefill agent and a :class:`Receiver` a decode agent, so a role-wrong call is
+refused by the type checker. ``Agent(layout, role=...)``, ``Agent.prefill(...)`` and
+``Agent.decode(...)`` are factories that return the role's class (typed as such when the
+role is a literal).
 
 Construction registers the layout with the transport, binds the control socket, starts
 the threads and — on prefill — registers the rank with the bootstrap server (bounded
