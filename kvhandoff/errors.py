@@ -4,6 +4,7 @@ Every message names what is wrong (component, tensor, layer, rank, values) so a
 user can act on it without reading our source.
 
     HandoffError
+    ├── MissingExtra              an optional dependency is not installed (names the extra)
     ├── LayoutError               a Layout (or a piece of one) is inconsistent in itself
     ├── LayoutMismatch            two Layouts cannot exchange state (handshake-time)
     ├── PlanError                 a request cannot be planned
@@ -47,6 +48,17 @@ from __future__ import annotations
 
 class HandoffError(Exception):
     """Base class of every error kvhandoff raises on purpose."""
+
+
+class MissingExtra(HandoffError, ImportError):
+    """A part of kvhandoff needs a package that only one of its extras installs (the
+    core library depends on none of them: numpy, msgspec, pyzmq, prometheus_client)."""
+
+    def __init__(self, package: str, *, extra: str, needed_by: str) -> None:
+        self.package, self.extra = package, extra
+        super().__init__(f"{needed_by} needs {package}, which kvhandoff installs only with "
+                         f"its {extra!r} extra: pip install 'kvhandoff[{extra}]'",
+                         name=package)
 
 
 # --- layouts and planning ---------------------------------------------------------------

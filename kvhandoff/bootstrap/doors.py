@@ -21,8 +21,7 @@ import errno
 import logging
 import socket
 
-from aiohttp import web
-
+from kvhandoff.bootstrap.aio import web
 from kvhandoff.descriptors import OUT_OF_DESCRIPTORS, Backoff
 from kvhandoff.transport.throttle import Throttle
 

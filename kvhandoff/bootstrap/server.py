@@ -47,9 +47,9 @@ from types import TracebackType
 from typing import Self, TypeVar
 
 import msgspec
-from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvhandoff.bootstrap.aio import web
 from kvhandoff.bootstrap.auth import AuthRefused, Verifier, new_server_id
 from kvhandoff.bootstrap.client import (
     INSTANCE_FIELDS,

@@ -11,7 +11,9 @@ Opening a rank (:mod:`.rank`)
     place, a host mirror, or relocated into the transport's memory); ``open_transport``
     makes a rank's transport keyed by the deployment secret; ``open_rank`` the agent.
 Requests (the session layer)
-    ``Agent``, ``Role``, ``Sender``, ``Receiver``, ``Status``, ``SessionConfig``,
+    ``Agent``, a factory of ``PrefillAgent`` / ``DecodeAgent`` (``as_prefill`` /
+    ``as_decode`` narrow one whose role is a run-time value), ``Role``, ``Sender`` (takes
+    a prefill agent), ``Receiver`` (a decode one), ``Status``, ``SessionConfig``,
     ``bootstrap_url``, ``route_dp``; ``AuxSpec``, the aux-row format, and ``AuxRows`` /
     ``AuxPool``, the pool a request leases its row from (with its memory).
 Outcomes (:mod:`.outcomes`)
@@ -49,7 +51,14 @@ from kvhandoff.observe.figures import SUCCESS, Figures, figures, measure
 from kvhandoff.observe.metrics import HANDOFF_SERIES, Series, record
 from kvhandoff.plan.runs import runs as coalesce_runs
 from kvhandoff.session.config import SessionConfig
-from kvhandoff.session.rank.agent import Agent, Role
+from kvhandoff.session.rank.agent import (
+    Agent,
+    DecodeAgent,
+    PrefillAgent,
+    Role,
+    as_decode,
+    as_prefill,
+)
 from kvhandoff.session.request.aux import AuxPool, AuxRows, AuxSpec
 from kvhandoff.session.request.receiver import Receiver, bootstrap_url, route_dp
 from kvhandoff.session.request.sender import Sender
@@ -67,6 +76,7 @@ __all__ = [
     "AuxPool",
     "AuxRows",
     "AuxSpec",
+    "DecodeAgent",
     "Figures",
     "HandoffHook",
     "HandshakeError",
@@ -75,6 +85,7 @@ __all__ = [
     "LocalProtocolError",
     "Outcome",
     "Placement",
+    "PrefillAgent",
     "Receiver",
     "RequestKey",
     "Role",
@@ -84,6 +95,8 @@ __all__ = [
     "SessionConfig",
     "Status",
     "Transport",
+    "as_decode",
+    "as_prefill",
     "bootstrap_url",
     "coalesce_runs",
     "figures",

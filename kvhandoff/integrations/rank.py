@@ -21,11 +21,19 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import overload
 
 from kvhandoff.errors import LayoutError
 from kvhandoff.layout import Layout
 from kvhandoff.session.config import SessionConfig
-from kvhandoff.session.rank.agent import Agent, Role
+from kvhandoff.session.rank.agent import (
+    Agent,
+    DecodeAgent,
+    DecodeRole,
+    PrefillAgent,
+    PrefillRole,
+    Role,
+)
 from kvhandoff.session.rank.io import open_transport
 from kvhandoff.transport.base import Transport
 from kvhandoff.transport.registry import CUDA_STAGED_ONLY, CUDA_TESTED, transport_class
@@ -92,10 +100,30 @@ def placement(transport: str, *, producer: bool, cuda: bool = False, mirror: boo
     return Placement(how=How.IN_PLACE, device=cuda)
 
 
+@overload
+def open_rank(layout: Layout, config: SessionConfig, *, role: PrefillRole,
+              bootstrap_url: str | None = None, transport: Transport | None = None,
+              dp_rank: int = 0, dp_size: int = 1, name: str = "") -> PrefillAgent: ...
+
+
+@overload
+def open_rank(layout: Layout, config: SessionConfig, *, role: DecodeRole,
+              bootstrap_url: str | None = None, transport: Transport | None = None,
+              dp_rank: int = 0, dp_size: int = 1, name: str = "") -> DecodeAgent: ...
+
+
+@overload
+def open_rank(layout: Layout, config: SessionConfig, *, role: Role | str,
+              bootstrap_url: str | None = None, transport: Transport | None = None,
+              dp_rank: int = 0, dp_size: int = 1, name: str = "") -> Agent: ...
+
+
 def open_rank(layout: Layout, config: SessionConfig, *, role: Role | str,
               bootstrap_url: str | None = None, transport: Transport | None = None,
               dp_rank: int = 0, dp_size: int = 1, name: str = "") -> Agent:
-    """The rank's agent: ``layout`` registered with ``transport`` (one made by
+    """The rank's agent, of the role's class (:class:`PrefillAgent` or
+    :class:`DecodeAgent`; typed so when ``role`` is a literal, else narrow it with
+    :func:`as_prefill` / :func:`as_decode`): ``layout`` registered with ``transport`` (one made by
     :func:`open_transport`, when the memory came from it) or, by default, with a new
     transport keyed by ``config``'s deployment secret. The agent owns the transport
     either way (closing the agent closes it). A prefill rank registers with the bootstrap

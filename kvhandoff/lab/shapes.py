@@ -530,6 +530,20 @@ def dsv4_ring_size(spec_decode: bool) -> int:
     return 16 if spec_decode else 8
 
 
+def _check_sizes(shape: ModelShape, page_size: int, num_pages: int, num_slots: int) -> None:
+    """Refuse sizes no layout of ``shape`` can have (naming them)."""
+    if min(page_size, num_pages, num_slots) < 1:
+        raise LayoutError(
+            f"page_size, num_pages and num_slots must be >= 1, got {page_size}, {num_pages}, "
+            f"{num_slots}"
+        )
+    if shape.has(*_DSV4) and page_size % 128:
+        raise LayoutError(
+            f"{shape.name}: page_size {page_size} must be a multiple of 128 (a DeepSeek-V4 "
+            f"logical page holds whole C4 and C128 compressed rows)"
+        )
+
+
 def layout_for(
     shape: ModelShape,
     *,
@@ -554,14 +568,9 @@ def layout_for(
     rows); its SWA pages hold ``swa_page_size`` tokens (default 64, or ``page_size``
     when smaller) and ``spec_decode`` doubles its compress-state rings (8 -> 16).
     """
-    if min(page_size, num_pages, num_slots) < 1:
-        raise LayoutError(
-            f"page_size, num_pages and num_slots must be >= 1, got {page_size}, {num_pages}, "
-            f"{num_slots}"
-        )
-    mem = alloc if alloc is not None else FakeAllocator(
-        base=(1 << 44) + ((pp_rank * tp_size + tp_rank) << 38)
-    )
+    _check_sizes(shape, page_size, num_pages, num_slots)
+    base = (1 << 44) + ((pp_rank * tp_size + tp_rank) << 38)
+    mem = alloc if alloc is not None else FakeAllocator(base=base)
     lo, hi = stage_layers(shape.num_layers, pp_rank, pp_size)
     last = pp_rank == pp_size - 1
     mine = range(lo, hi)
@@ -569,11 +578,6 @@ def layout_for(
     comps: list[Component] = []
     swa_pages = num_swa_pages if num_swa_pages is not None else num_pages
     if shape.has(*_DSV4):
-        if page_size % 128:
-            raise LayoutError(
-                f"{shape.name}: page_size {page_size} must be a multiple of 128 (a DeepSeek-V4 "
-                f"logical page holds whole C4 and C128 compressed rows)"
-            )
         sp = swa_page_size if swa_page_size is not None else min(64, page_size)
         comps += b.dsv4(mine, last, page_size, num_pages, sp, swa_pages, num_slots, spec_decode)
 
@@ -836,12 +840,7 @@ def request_for(
             out[comp.name] = _window(sides, shape.sliding_window, prefix_len, n,
                                      src.page_size, dst.page_size)
         elif t is StateType.DSV4_SWA:
-            ps, pd = (_swa_page(s.layout, comp.name) for s in sides)
-            if ps != pd:
-                raise ValueError(f"DeepSeek-V4 SWA pages differ ({ps} vs {pd} tokens)")
-            win = _window(sides, shape.sliding_window, prefix_len, n, ps, pd)
-            lo = max(0, n - (n % 4 + 4))  # the C4 compressor's live positions
-            out[comp.name] = Indices(win.src, win.dst, positions=np.arange(lo, n))
+            out[comp.name] = _dsv4_swa(sides, comp.name, shape.sliding_window, prefix_len, n)
         elif t is StateType.DSV4_RING:
             ring = shape.sliding_window
             pos = np.arange(max(0, n - ring), n)
@@ -856,6 +855,18 @@ def request_for(
         else:  # pragma: no cover - every StateType above is handled
             raise ValueError(f"request_for does not know state type {t.value}")
     return out
+
+
+def _dsv4_swa(sides: tuple[_Side, _Side], name: str, window: int, prefix_len: int,
+              n: int) -> Indices:
+    """A DeepSeek-V4 SWA component's indices: the window's pages (equal page sizes on
+    both sides) and the C4 compressor's live positions."""
+    ps, pd = (_swa_page(s.layout, name) for s in sides)
+    if ps != pd:
+        raise ValueError(f"DeepSeek-V4 SWA pages differ ({ps} vs {pd} tokens)")
+    win = _window(sides, window, prefix_len, n, ps, pd)
+    lo = max(0, n - (n % 4 + 4))  # the C4 compressor's live positions
+    return Indices(win.src, win.dst, positions=np.arange(lo, n))
 
 
 class _Side:

@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvhandoff.errors import MissingExtra
 from kvhandoff.observe import timeline as tl
 
 ENV = "KVHANDOFF_TRACE"
@@ -76,10 +77,13 @@ def render(rows: Sequence[Mapping[str, Any]], png: str | os.PathLike[str], *,
            title: str = "kvhandoff requests") -> None:
     """One bar per request and rank, one coloured segment per phase, on a common
     wall-clock axis (ms since the first request opened)."""
-    import matplotlib
+    try:
+        import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise MissingExtra("matplotlib", extra="plot", needed_by="drawing a trace") from e
 
     if not rows:
         raise ValueError("no trace lines to draw")

@@ -1,8 +1,9 @@
 """The session layer: agents, per-request senders and receivers, and their control plane.
 
-Per rank, an :class:`Agent` owns the layout, the transport and the control socket; per
-request, prefill runs a :class:`Sender` and decode a :class:`Receiver`, each a state
-machine (:class:`Status`) that fails with a typed :class:`SessionError` naming why.
+Per rank, an :class:`Agent` (a :class:`PrefillAgent` or a :class:`DecodeAgent`) owns the
+layout, the transport and the control socket; per request, prefill runs a :class:`Sender`
+and decode a :class:`Receiver`, each a state machine (:class:`Status`) that fails with a
+typed :class:`SessionError` naming why.
 
 The package exports what an engine calls: the agent, the two request sides, their
 config, statuses and errors, and :func:`route_dp`. Everything else is imported from its
@@ -31,7 +32,14 @@ from kvhandoff.session.errors import (
     SessionError,
     TransferFailed,
 )
-from kvhandoff.session.rank.agent import Agent, Role
+from kvhandoff.session.rank.agent import (
+    Agent,
+    DecodeAgent,
+    PrefillAgent,
+    Role,
+    as_decode,
+    as_prefill,
+)
 from kvhandoff.session.request.receiver import Receiver, route_dp
 from kvhandoff.session.request.sender import Sender
 from kvhandoff.session.request.status import Status
@@ -42,8 +50,10 @@ __all__ = [
     "AuxMismatch",
     "BootstrapFailed",
     "ChecksumMismatch",
+    "DecodeAgent",
     "HandshakeError",
     "PeerLost",
+    "PrefillAgent",
     "Receiver",
     "RequestAborted",
     "RequestRejected",
@@ -54,5 +64,7 @@ __all__ = [
     "SessionError",
     "Status",
     "TransferFailed",
+    "as_decode",
+    "as_prefill",
     "route_dp",
 ]

@@ -16,8 +16,10 @@ Three rules hold:
   are left out of this graph, so the order of the rooms is the order of the floors;
 * the library never imports the lab (``kvhandoff.lab``).
 
-And ``import kvhandoff, kvhandoff.session, kvhandoff.transport`` loads no torch,
-transformers or matplotlib (checked in a fresh interpreter).
+And ``import kvhandoff, kvhandoff.session, kvhandoff.transport`` (and the other faces)
+loads no optional dependency — no torch, transformers, matplotlib or aiohttp, each only
+in an extra — and a part that needs a missing extra says which one to install (both
+checked in a fresh interpreter).
 """
 
 from __future__ import annotations
@@ -147,13 +149,46 @@ def test_the_library_never_imports_the_lab() -> None:
     assert bad == [], "the library imports the lab: " + "; ".join(bad)
 
 
-def test_the_faces_load_no_heavy_dependency() -> None:
-    code = ("import sys; import kvhandoff, kvhandoff.session, kvhandoff.transport, "
-            "kvhandoff.plan, kvhandoff.bootstrap, kvhandoff.observe; "
-            "print(sorted(m for m in ('torch', 'transformers', 'matplotlib') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, timeout=120)
-    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+OPTIONAL = ("torch", "transformers", "matplotlib", "aiohttp")
+"""Packages only an extra (or the engine hosting an adapter) installs."""
+
+
+def _fresh(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=False, timeout=120)
+
+
+def test_the_faces_load_no_optional_dependency() -> None:
+    out = _fresh("import sys; import kvhandoff, kvhandoff.session, kvhandoff.transport, "
+                 "kvhandoff.plan, kvhandoff.bootstrap, kvhandoff.observe, "
+                 "kvhandoff.integrations; "
+                 f"print(sorted(m for m in {OPTIONAL!r} if m in sys.modules))")
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+@pytest.mark.parametrize(("blocked", "module", "extra"), [
+    ("aiohttp", "kvhandoff.bootstrap.server", "bootstrap"),
+    ("transformers", "kvhandoff.lab.engine", "engine"),
+])
+def test_a_missing_extra_is_named(blocked: str, module: str, extra: str) -> None:
+    """With ``blocked`` made unimportable, importing ``module`` fails with MissingExtra
+    naming the extra to install (not a bare ModuleNotFoundError)."""
+    out = _fresh(f"import sys, importlib; sys.modules[{blocked!r}] = None\n"
+                 "from kvhandoff.errors import MissingExtra\n"
+                 f"try:\n    importlib.import_module({module!r})\n"
+                 "except MissingExtra as e:\n    print(e)\n")
+    assert out.returncode == 0, out.stderr
+    assert f"pip install 'kvhandoff[{extra}]'" in out.stdout and blocked in out.stdout, out.stdout
+
+
+def test_drawing_a_trace_without_matplotlib_names_the_extra(tmp_path: Path) -> None:
+    out = _fresh("import sys; sys.modules['matplotlib'] = None\n"
+                 "from kvhandoff.errors import MissingExtra\n"
+                 "from kvhandoff.observe.trace import render\n"
+                 f"try:\n    render([], {str(tmp_path / 'x.png')!r})\n"
+                 "except MissingExtra as e:\n    print(e)\n")
+    assert out.returncode == 0, out.stderr
+    assert "pip install 'kvhandoff[plot]'" in out.stdout, out.stdout
 
 
 def test_the_graph_is_read() -> None:

@@ -22,9 +22,10 @@ ROOT = Path(kvhandoff.__file__).parent
 
 FACE = [
     "CUDA_STAGED_ONLY", "HANDOFF_SERIES", "KVPOLL", "OUTCOMES", "SUCCESS", "Agent",
-    "AuxPool", "AuxRows", "AuxSpec", "Figures", "HandoffHook", "HandshakeError", "How",
-    "LeaseExpired", "LocalProtocolError", "Outcome", "Placement", "Receiver", "RequestKey",
-    "Role", "Row", "Sender", "Series", "SessionConfig", "Status", "Transport", "bootstrap_url",
+    "AuxPool", "AuxRows", "AuxSpec", "DecodeAgent", "Figures", "HandoffHook",
+    "HandshakeError", "How", "LeaseExpired", "LocalProtocolError", "Outcome", "Placement",
+    "PrefillAgent", "Receiver", "RequestKey", "Role", "Row", "Sender", "Series",
+    "SessionConfig", "Status", "Transport", "as_decode", "as_prefill", "bootstrap_url",
     "coalesce_runs", "figures", "kvpoll", "load_hook", "measure", "open_rank",
     "open_transport", "outcome", "placement", "quiet", "record", "registry_app", "route_dp",
 ]

@@ -76,6 +76,8 @@ from kvhandoff.integrations import (
     Role,
     Sender,
     SessionConfig,
+    as_decode,
+    as_prefill,
     bootstrap_url,
     figures,
     kvpoll,
@@ -194,7 +196,8 @@ class KvhandoffKVManager(CommonKVManager):  # type: ignore[misc]
             return False
         if bootstrap_addr in self.handshaken or bootstrap_addr in self.refusals:
             return True
-        why = self.agent.handshake(registry_url(bootstrap_addr), timeout=HANDSHAKE_TIMEOUT)
+        why = as_decode(self.agent).handshake(registry_url(bootstrap_addr),
+                                              timeout=HANDSHAKE_TIMEOUT)
         if isinstance(why, HandshakeError):
             self.refusals[bootstrap_addr] = f"kvhandoff refuses this prefill/decode pair: {why}"
             log.error("%s (prefill %s)", self.refusals[bootstrap_addr], bootstrap_addr)
@@ -266,7 +269,7 @@ class KvhandoffKVSender(CommonKVSender):  # type: ignore[misc]
     def __init__(self, mgr: KvhandoffKVManager, bootstrap_addr: str, bootstrap_room: int,
                  req_has_disagg_prefill_dp_rank: bool = False) -> None:
         super().__init__(mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank)
-        self.kvh = Sender(mgr.agent, bootstrap_room)
+        self.kvh = Sender(as_prefill(mgr.agent), bootstrap_room)
         self._out = mgr.senders[bootstrap_room] = _Outgoing(self.kvh)
         self._figures: Figures | None = None
 
@@ -331,7 +334,7 @@ class KvhandoffKVReceiver(CommonKVReceiver):  # type: ignore[misc]
             self.kv_mgr.record_failure(self.bootstrap_room, self._refusal)
             self.conclude_state = FAILED
             return
-        self.kvh = Receiver(self.kv_mgr.agent, registry_url(self.bootstrap_addr),
+        self.kvh = Receiver(as_decode(self.kv_mgr.agent), registry_url(self.bootstrap_addr),
                             self.bootstrap_room, dp_rank=prefill_dp_rank)
 
     def send_metadata(self, kv_indices: npt.ArrayLike, aux_index: int | None = None,

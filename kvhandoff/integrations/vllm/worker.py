@@ -51,6 +51,8 @@ from kvhandoff.integrations import (
     Sender,
     SessionConfig,
     Transport,
+    as_decode,
+    as_prefill,
     figures,
     open_rank,
     outcome,
@@ -159,7 +161,7 @@ class WorkerSide:
         """Decode: handshake prefill now, so an incompatible pair stops vLLM at start-up
         (the message names every field that differs). A prefill that is not up yet is
         handshaken on the first request instead."""
-        why = self.agent.handshake(bootstrap)
+        why = as_decode(self.agent).handshake(bootstrap)
         if isinstance(why, HandshakeError):
             self.agent.close()
             raise HandshakeError(f"kvhandoff refuses this prefill/decode pair: {why}")
@@ -212,7 +214,7 @@ class WorkerSide:
 
     def _send(self, s: SendReq) -> None:
         row = self.rows.take()
-        sender = Sender(self.agent, s.request_id, key=_key(s.key))
+        sender = Sender(as_prefill(self.agent), s.request_id, key=_key(s.key))
         self._out[s.request_id] = _Out(sender, row, self._groups(s.blocks))
         if row is None:
             sender.abort("no free aux row on prefill (too many handoffs in flight)")
@@ -238,7 +240,7 @@ class WorkerSide:
         if row is None:
             log.error("request %s: no free aux row on decode; failing its load", r.request_id)
             return
-        rec = Receiver(self.agent, r.bootstrap, r.remote_id, key=_key(r.key),
+        rec = Receiver(as_decode(self.agent), r.bootstrap, r.remote_id, key=_key(r.key),
                        instance=r.instance)
         entry.receiver = rec
         indices: dict[str, object | None] = {

@@ -83,7 +83,15 @@ from kvhandoff.lab.shapes import LayerKind
 from kvhandoff.layout import Layout
 from kvhandoff.plan import Plan, plan
 from kvhandoff.protocol import layout_from_msg, layout_to_msg
-from kvhandoff.session import Agent, Receiver, Sender, SessionConfig, Status
+from kvhandoff.session import (
+    Agent,
+    DecodeAgent,
+    PrefillAgent,
+    Receiver,
+    Sender,
+    SessionConfig,
+    Status,
+)
 from kvhandoff.transport import Peer, TransferState, Transport, create_transport
 
 DEFAULT_JSON = Path("benchmarks") / "results" / "session.json"
@@ -241,7 +249,7 @@ def _raw_once(t: Transport, peer: Peer, plans: list[Plan]) -> float:
     return time.perf_counter() - t0
 
 
-def _prefill_one_by_one(agent: Agent, raw: Transport, peer: Peer, plans: list[Plan],
+def _prefill_one_by_one(agent: PrefillAgent, raw: Transport, peer: Peer, plans: list[Plan],
                         case: Case, src: Layout, dst: Layout, n: int, *, interleave: bool
                         ) -> tuple[list[float], list[float]]:
     """Per request: wait for decode's indices, then stamp t0 and send the last chunk.
@@ -263,7 +271,7 @@ def _prefill_one_by_one(agent: Agent, raw: Transport, peer: Peer, plans: list[Pl
     return t0s, raws
 
 
-def _prefill_rounds(conn: Connection, agent: Agent, raw: Transport, peer: Peer,
+def _prefill_rounds(conn: Connection, agent: PrefillAgent, raw: Transport, peer: Peer,
                     plans: list[Plan], case: Case, src: Layout, dst: Layout, n: int,
                     rounds: int) -> None:
     """Each round on the parent's signal: n requests at once, then the raw n plans."""
@@ -318,7 +326,7 @@ def _dst_lists(req: dict[str, Any], lay: Layout) -> dict[str, Any]:
     return {c.name: req[c.name].dst for c in lay.components if c.name != "aux"}
 
 
-def _decode_one_by_one(agent: Agent, url: str, case: Case, lay: Layout, n: int
+def _decode_one_by_one(agent: DecodeAgent, url: str, case: Case, lay: Layout, n: int
                        ) -> tuple[list[float], list[float]]:
     starts, ends = [], []
     for i in range(n):
@@ -333,7 +341,7 @@ def _decode_one_by_one(agent: Agent, url: str, case: Case, lay: Layout, n: int
     return starts, ends
 
 
-def _decode_round(agent: Agent, url: str, reqs: list[dict[str, Any]], lay: Layout, r: int
+def _decode_round(agent: DecodeAgent, url: str, reqs: list[dict[str, Any]], lay: Layout, r: int
                   ) -> float:
     n = len(reqs)
     t = time.perf_counter()
@@ -596,7 +604,8 @@ def _print_scaling(res: dict[str, Any]) -> None:
               f"requests/s = {p['ratio']:.2f}x{verdict}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    """The bench's flags, checked (``--rounds`` at least 1)."""
     ap = argparse.ArgumentParser(prog="kvhandoff bench session",
                                  description=__doc__.split("\n\n")[0] if __doc__ else None)
     ap.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write results")
@@ -617,6 +626,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.rounds is not None and args.rounds < 1:
         ap.error(f"--rounds must be at least 1, got {args.rounds}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _args(argv)
     res = run(args.quick, args.transport, in_band=not args.control_status, auth=args.auth,
               only_auth=args.auth_only, only_throughput=args.throughput_only,
               rounds=args.rounds)

@@ -652,7 +652,8 @@ def plot(rows: list[Row], base: dict[str, float], path: Path) -> bool:
     return True
 
 
-def main(argv: list[str] | None = None) -> int:
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    """The bench's flags, checked (``--cases`` names known cases only)."""
     ap = argparse.ArgumentParser(prog="kvhandoff bench transport",
                                  description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write results")
@@ -664,12 +665,40 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-raw", action="store_true", help="skip the raw Mooncake baseline")
     ap.add_argument("--quick", action="store_true", help="32 MiB, 2 repetitions (seconds)")
     args = ap.parse_args(argv)
+    unknown = {c for c in args.cases.split(",") if c} - set(CASES)
+    if unknown:
+        ap.error(f"unknown cases {sorted(unknown)}; known: {', '.join(CASES)}")
+    return args
+
+
+def _report(rows: list[Row], base: dict[str, float], refs: References,
+            idle: dict[str, dict[str, float]], tiny: dict[str, dict[str, Any]],
+            skipped: dict[str, str], results: list[Goal], total: int, reps: int
+            ) -> dict[str, Any]:
+    """The JSON report: the machine, the baselines, every row with its ratios, goals."""
+    return {
+        "machine": {"python": sys.version.split()[0], "platform": platform.platform(),
+                    "numpy": np.__version__, "cpus": mp.cpu_count(),
+                    "loadavg": os.getloadavg()},
+        "nbytes": total, "reps": reps, "baselines": base, "reference_samples": refs.samples,
+        "results": [{**asdict(r), "gbps": r.gbps, "segments_per_s": r.segs_per_s,
+                     "cpu_s_per_gb": dict(zip(("sender", "receiver"), r.cpu_per_gb(),
+                                              strict=True)),
+                     "ratio_memcpy": r.gbps / base["memcpy_gbps"],
+                     "ratio_raw_socket": r.gbps / base["raw_socket_gbps"]} for r in rows],
+        "idle": idle,
+        "tiny": tiny,
+        "goals": [{"name": g.name, "ratio": round(g.ratio, 3), "goal": g.goal, "met": g.met,
+                   "how": g.how} for g in results],
+        "skipped": skipped,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _args(argv)
     total = (32 if args.quick else args.mib) << 20
     reps = 2 if args.quick else max(1, args.reps)
     cases = tuple(c for c in args.cases.split(",") if c)
-    unknown = set(cases) - set(CASES)
-    if unknown:
-        ap.error(f"unknown cases {sorted(unknown)}; known: {', '.join(CASES)}")
     avail = available_transports()
     names = [n for n in args.transports.split(",") if n]
 
@@ -705,22 +734,7 @@ def main(argv: list[str] | None = None) -> int:
 
     results = goals(rows, idle, tiny,
                     base["copy_head_sliced_gbps"] / base["copy_same_tp_16k_gbps"])
-    report: dict[str, Any] = {
-        "machine": {"python": sys.version.split()[0], "platform": platform.platform(),
-                    "numpy": np.__version__, "cpus": mp.cpu_count(),
-                    "loadavg": os.getloadavg()},
-        "nbytes": total, "reps": reps, "baselines": base, "reference_samples": refs.samples,
-        "results": [{**asdict(r), "gbps": r.gbps, "segments_per_s": r.segs_per_s,
-                     "cpu_s_per_gb": dict(zip(("sender", "receiver"), r.cpu_per_gb(),
-                                              strict=True)),
-                     "ratio_memcpy": r.gbps / base["memcpy_gbps"],
-                     "ratio_raw_socket": r.gbps / base["raw_socket_gbps"]} for r in rows],
-        "idle": idle,
-        "tiny": tiny,
-        "goals": [{"name": g.name, "ratio": round(g.ratio, 3), "goal": g.goal, "met": g.met,
-                   "how": g.how} for g in results],
-        "skipped": skipped,
-    }
+    report = _report(rows, base, refs, idle, tiny, skipped, results, total, reps)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2))
     png = args.json.with_suffix(".png")

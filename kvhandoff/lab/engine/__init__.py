@@ -1,7 +1,9 @@
 """The reference engine: a small serving engine that uses kvhandoff as a real one would.
 
 Needs ``torch`` and ``transformers`` (not dependencies of the core library): import
-``kvhandoff.lab.engine`` only where they are installed.
+``kvhandoff.lab.engine`` only where they are installed (the ``engine`` extra installs
+transformers; torch, a CPU build, is installed first, see DEVELOPERS.md). Without
+transformers, importing it raises :class:`~kvhandoff.errors.MissingExtra` naming the extra.
 
 * :mod:`~kvhandoff.lab.engine.models` — tiny random-weight configs of real architectures.
 * :mod:`~kvhandoff.lab.engine.arch` / :mod:`~kvhandoff.lab.engine.codecs` — HF cache ⇄ rows.
@@ -12,6 +14,14 @@ Needs ``torch`` and ``transformers`` (not dependencies of the core library): imp
 * :mod:`~kvhandoff.lab.engine.transfer` — the one seam to the transport (in-process here).
 * :mod:`~kvhandoff.lab.engine.run` — :func:`run_disaggregated`, the end-to-end check.
 """
+
+from kvhandoff.errors import MissingExtra
+
+try:
+    import transformers  # noqa: F401  # the one optional dependency the engine checks first
+except ImportError as e:
+    raise MissingExtra("transformers", extra="engine",
+                       needed_by="the reference engine (kvhandoff.lab.engine)") from e
 
 from kvhandoff.lab.engine.models import ARCHITECTURES, CORE, load_model, sample_prompts
 from kvhandoff.lab.engine.run import (

@@ -340,7 +340,9 @@ class _ShapeBuilder:
         self._set(layer_convs=convs)
         return ShortConvCodec(layer=i, convs=tuple(slots), dtype=layer.conv_states[0].dtype)
 
-    def _linear(self, i: int, layer: Any, cfg: Any) -> tuple[LinearCodec, LayerKind]:
+    def _linear_states(self, i: int, layer: Any) -> tuple[Any, Any]:
+        """Linear-attention layer ``i``'s conv and recurrent state tensors, refused
+        (naming the layer and what it holds) unless the engine maps them."""
         if layer.number_of_states != 1:
             raise LayoutError(f"{self.name} layer {i}: {layer.number_of_states} conv states "
                               f"per layer; the engine maps exactly one")
@@ -356,6 +358,10 @@ class _ShapeBuilder:
                 f"{self.name} layer {i}: linear-attention layer with {what} (the engine maps "
                 f"a conv state alone (short convolutions) or with a 3-D Mamba1 or 4-D "
                 f"Mamba2 / GDN SSM state; kvhandoff.lab.shapes has no layer kind for this one)")
+        return conv, ssm
+
+    def _linear(self, i: int, layer: Any, cfg: Any) -> tuple[LinearCodec, LayerKind]:
+        conv, ssm = self._linear_states(i, layer)
         channels, width = conv.shape[1], conv.shape[2]
         common = {"conv_kernel": width, "conv_dtype_bytes": conv.element_size(),
                   "ssm_dtype_bytes": ssm.element_size()}

@@ -49,8 +49,9 @@ from typing import Self
 
 from kvhandoff.errors import LayoutError
 from kvhandoff.integrations import (
-    Agent,
+    DecodeAgent,
     How,
+    PrefillAgent,
     Receiver,
     RequestKey,
     Role,
@@ -137,7 +138,7 @@ class PrefillLink:
                  router_secret: bytes | None = None) -> None:
         self.timeout = timeout
         self._senders: dict[tuple[int, int], Sender] = {}
-        self.agents: list[Agent] = []
+        self.agents: list[PrefillAgent] = []
         cfg = _config(config, transport)
         self._key = request_keys(router_secret, cfg)
         try:
@@ -189,7 +190,7 @@ class DecodeLink:
                  config: SessionConfig | None = None,
                  router_secret: bytes | None = None) -> None:
         self.url, self.timeout = bootstrap_url, timeout
-        self.agents: list[Agent] = []
+        self.agents: list[DecodeAgent] = []
         cfg = _config(config, transport)
         self._key = request_keys(router_secret, cfg)
         try:

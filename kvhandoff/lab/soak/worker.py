@@ -67,7 +67,15 @@ from kvhandoff.lab.testing.handoff import (
 )
 from kvhandoff.lab.testing.oracle import ByteMap
 from kvhandoff.layout import Layout
-from kvhandoff.session import Agent, Receiver, Sender, SessionConfig, Status
+from kvhandoff.session import (
+    Agent,
+    Receiver,
+    Sender,
+    SessionConfig,
+    Status,
+    as_decode,
+    as_prefill,
+)
 from kvhandoff.session.request.views import TensorViews
 from kvhandoff.transport import create_transport
 
@@ -137,8 +145,8 @@ class _Worker:
         layout = self.geo.layout(spec.role, tp, arena)
         name = f"{spec.role}{spec.index}-{transport}-tp{tp}"
         if spec.role == PREFILL:
-            agent = Agent(layout, role="prefill", bootstrap_url=spec.url, config=cfg,
-                          transport=tr, name=name)
+            agent: Agent = Agent(layout, role="prefill", bootstrap_url=spec.url, config=cfg,
+                                 transport=tr, name=name)
         else:
             agent = Agent(layout, role="decode", config=cfg, transport=tr, name=name)
         return _Rank(agent, layout, arena)
@@ -187,7 +195,7 @@ class _Worker:
         step = max(1, spec.chunk_pages)
         chunks = [pages[i:i + step] for i in range(0, len(pages), step)] or [pages[:0]]
         state = prefill_state(req, ranks[0].layout)
-        senders = [Sender(rk.agent, spec.rid) for rk in ranks]
+        senders = [Sender(as_prefill(rk.agent), spec.rid) for rk in ranks]
         for s in senders:
             s.init(len(pages), slot)
         flip_ready = spec.flip and _wait(
@@ -239,7 +247,7 @@ class _Worker:
         spec, geo = job.spec, self.geo
         rk = self.ranks[spec.transport][0]
         req = indices(geo, spec.num_tokens, job.prefill_block, job.decode_block)
-        r = Receiver(rk.agent, self.spec.url, spec.rid,
+        r = Receiver(as_decode(rk.agent), self.spec.url, spec.rid,
                      instance=prefill_instance(spec.prefill, spec.transport))
         lists, row = decode_lists(req, rk.layout)
         r.init(lists, row, decode_prefix_len=0)

@@ -36,7 +36,7 @@ from kvhandoff.lab.testing.handoff import (
     request_of,
 )
 from kvhandoff.layout import Layout
-from kvhandoff.session import Agent, Receiver, Sender, SessionConfig, Status
+from kvhandoff.session import Agent, DecodeAgent, Receiver, Sender, SessionConfig, Status
 from kvhandoff.transport import Transport, create_transport
 
 FAST: dict[str, Any] = {"transport": "tcp", "bootstrap_timeout": 5.0, "indices_timeout": 5.0,
@@ -57,7 +57,7 @@ def config(instance: str, **kw: Any) -> SessionConfig:
 class DecodeSide:
     """A decode agent of the rig, its layout and its memory."""
 
-    agent: Agent
+    agent: DecodeAgent
     dst: Layout
     arena: Arena
 

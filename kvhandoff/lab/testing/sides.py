@@ -74,7 +74,15 @@ from kvhandoff.lab.testing.handoff import (
     request_of,
 )
 from kvhandoff.layout import Layout
-from kvhandoff.session import Agent, Receiver, Sender, SessionConfig, Status
+from kvhandoff.session import (
+    Agent,
+    DecodeAgent,
+    PrefillAgent,
+    Receiver,
+    Sender,
+    SessionConfig,
+    Status,
+)
 from kvhandoff.session.request.views import TensorViews
 from kvhandoff.transport import Transport, create_transport
 
@@ -249,7 +257,8 @@ class PrefillSide(_Side):
             mine = [rp for rp in scn.requests if scn.dp_of(rp) == dp]
             self._spawn(self.drive, agent, layout, mine, arena)
 
-    def drive(self, agent: Agent, src: Layout, mine: list[RequestPlan], arena: Arena) -> None:
+    def drive(self, agent: PrefillAgent, src: Layout, mine: list[RequestPlan],
+              arena: Arena) -> None:
         del arena
         scn, f = self.scn, self.scn.faults
         dst = _peer_layout(scn, DECODE)
@@ -351,7 +360,7 @@ class DecodeSide(_Side):
             self.failed[(tp, pp)] = []
             self._spawn(self.drive, agent, layout, (tp, pp))
 
-    def drive(self, agent: Agent, dst: Layout, where: tuple[int, int]) -> None:
+    def drive(self, agent: DecodeAgent, dst: Layout, where: tuple[int, int]) -> None:
         scn, f = self.scn, self.scn.faults
         src = _peer_layout(scn, PREFILL)
         t0 = time.monotonic()
@@ -387,7 +396,7 @@ class DecodeSide(_Side):
             if r.poll() is not Status.SUCCESS and f.get("reuse_after_abort") and r.released:
                 self._mark(agent, dst, rp, src)
 
-    def _mark(self, agent: Agent, dst: Layout, rp: RequestPlan, src: Layout) -> None:
+    def _mark(self, agent: DecodeAgent, dst: Layout, rp: RequestPlan, src: Layout) -> None:
         """Reuse an aborted request's KV pages: write the marker into them."""
         kv = kv_name(dst)
         if kv is None:

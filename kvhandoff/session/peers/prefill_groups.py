@@ -35,6 +35,7 @@ from kvhandoff.bootstrap.client import (
     BootstrapUnavailable,
     InstanceInfo,
     RankFilter,
+    RankRecord,
     lookup,
 )
 from kvhandoff.errors import LayoutMismatch
@@ -279,17 +280,7 @@ class PrefillGroups:
             group._pending = frozenset(endpoints)
         for ep in endpoints:
             self._send(ep, self._hello)
-        with group._cond:
-            # until the deadline (bootstrap_timeout): a reply notifies at once, a stop is
-            # seen within _STOP_POLL_S
-            while (any(ep not in group._replies for ep in endpoints)
-                   and not group._refused and not self._stop.is_set()):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                group._cond.wait(min(left, _STOP_POLL_S))
-            replies = dict(group._replies)
-            refused = dict(group._refused)
+        replies, refused = self._await_replies(group, endpoints, deadline)
         if self._stop.is_set():
             raise BootstrapFailed(f"instance {info.instance!r}: the agent closed during the "
                                   f"handshake")
@@ -303,21 +294,44 @@ class PrefillGroups:
             raise HandshakeError(
                 [f"no answer to Hello within bootstrap_timeout ({self._timeout:g} s) from "
                  f"{m}" for m in missing], peer=f"instance {info.instance!r}")
-        problems: list[str] = []
-        out = []
-        for rec in records:
-            reply = replies[rec.control_endpoint]
-            if isinstance(reply, HelloReject):
-                problems += [f"prefill {reply.rank}: {p}" for p in reply.problems]
+        return _ranks_of(records, replies, f"instance {info.instance!r} DP group {dp}")
+
+    def _await_replies(self, group: PrefillGroup, endpoints: list[str], deadline: float
+                       ) -> tuple[dict[str, HelloAck | HelloReject], dict[str, str]]:
+        """Wait until every endpoint answered the Hello, one was refused, the agent
+        stops or ``deadline``; returns the replies and refusals by endpoint so far."""
+        with group._cond:
+            # until the deadline (bootstrap_timeout): a reply notifies at once, a stop is
+            # seen within _STOP_POLL_S
+            while (any(ep not in group._replies for ep in endpoints)
+                   and not group._refused and not self._stop.is_set()):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                group._cond.wait(min(left, _STOP_POLL_S))
+            return dict(group._replies), dict(group._refused)
+
+
+def _ranks_of(records: list[RankRecord], replies: dict[str, HelloAck | HelloReject], peer: str
+              ) -> tuple[PrefillRank, ...]:
+    """The handshaken prefill ranks of ``records`` from their ``replies``; a
+    :class:`HandshakeError` naming every rank that rejected the Hello or sent a layout
+    that does not decode (``peer``: the group, for the message)."""
+    problems: list[str] = []
+    out = []
+    for rec in records:
+        reply = replies[rec.control_endpoint]
+        if isinstance(reply, HelloReject):
+            problems += [f"prefill {reply.rank}: {p}" for p in reply.problems]
+            continue
+        layout = None
+        if reply.layout is not None:
+            try:
+                layout = layout_from_msg(reply.layout)
+            except ProtocolError as e:
+                problems.append(f"prefill {reply.rank}: {e}")
                 continue
-            layout = None
-            if reply.layout is not None:
-                try:
-                    layout = layout_from_msg(reply.layout)
-                except ProtocolError as e:
-                    problems.append(f"prefill {reply.rank}: {e}")
-                    continue
-            out.append(PrefillRank(rec.control_endpoint, reply.rank, reply.writes, layout))
-        if problems:
-            raise HandshakeError(problems, peer=f"instance {info.instance!r} DP group {dp}")
-        return tuple(out)
+        out.append(PrefillRank(rec.control_endpoint, reply.rank, reply.writes, layout))
+    if problems:
+        raise HandshakeError(problems, peer=peer)
+    return tuple(out)

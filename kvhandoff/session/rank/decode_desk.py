@@ -205,6 +205,16 @@ class DecodeDesk:
 
     # --- lost peers, closing ----------------------------------------------------------------
 
+    def on_tick(self, now: float, in_use: set[str]) -> None:
+        """Nothing of the decode desk's own runs on the tick (its Receivers' timers do, from
+        the heartbeats)."""
+
+    def counters(self) -> dict[str, int]:
+        """Statuses received in band, handshaken prefill ranks, messages from a non-peer."""
+        ready = sum(len(g.ranks) for g in self.groups.groups() if g.state is GroupState.READY)
+        return {"in_band_statuses": self.in_band, "prefill_peers": ready,
+                "not_request_peer": self.not_request_peer}
+
     def peer_lost(self, endpoint: str, reason: str) -> None:
         """Forget the groups that held the prefill rank at ``endpoint`` (after its
         requests heard of it)."""

@@ -6,10 +6,8 @@ heartbeats are answered there) and every other one to the role's desk. An
 ``ErrorReply`` is logged and never answered (agents must not trade errors forever); any
 other message the desk does not take is answered with an ``ErrorReply`` naming it.
 
-The I/O thread's two other events concern one role each: at the end of a burst of
-messages prefill submits the writes it batched (:func:`drained`); when a peer this rank
-dialed fails authentication, decode fails the handshake waiting for it
-(:func:`unauthenticated`).
+The I/O thread's two other events concern one role each, so each is a method of that
+role's agent class (:mod:`~kvhandoff.session.rank.agent`), not a question asked here.
 
 Everything here runs on the control I/O thread.
 """
@@ -20,9 +18,8 @@ import logging
 
 from kvhandoff.protocol import ErrorReply, Message
 from kvhandoff.session.control.channel import ControlChannel, Origin
-from kvhandoff.session.rank.decode_desk import DecodeDesk
-from kvhandoff.session.rank.liveness.heartbeats import Desk, Heartbeats
-from kvhandoff.session.rank.prefill_desk import PrefillDesk
+from kvhandoff.session.rank.desk import Desk
+from kvhandoff.session.rank.liveness.heartbeats import Heartbeats
 from kvhandoff.session.request.host import Role
 
 log = logging.getLogger("kvhandoff.session.rank.agent")  # the agent's voice: one logger per agent
@@ -44,16 +41,3 @@ def deliver(origin: Origin, msg: Message, *, beats: Heartbeats, desk: Desk | Non
                    + ("" if origin.endpoint else " from an unnamed client"),
             request_id=getattr(msg, "request_id", None)))
 
-
-def drained(desk: Desk | None) -> None:
-    """Every message that was ready has been handled: prefill submits the writes they
-    produced, batched (:mod:`~kvhandoff.session.control.write_batch`)."""
-    if isinstance(desk, PrefillDesk):
-        desk.writes.flush()
-
-
-def unauthenticated(desk: Desk | None, endpoint: str, reason: str) -> None:
-    """A peer we dialed answered with something that failed authentication (it does
-    not hold our secret): a handshake waiting for it fails now, with ``reason``."""
-    if isinstance(desk, DecodeDesk):
-        desk.groups.refuse(endpoint, reason)

@@ -333,6 +333,14 @@ class PrefillDesk:
         for ep in self.peers.idle(now, busy | in_use):
             self._host.spawn(functools.partial(self.peers.drop_idle, ep))
 
+    def counters(self) -> dict[str, int]:
+        """Handshaken decode ranks, requests whose decode indices wait for their Sender
+        (``early_inits``), messages from a non-peer, indices refused as not the request's
+        decode's (:mod:`kvhandoff.binding`)."""
+        return {"decode_peers": len(self.peers), "early_inits": len(self.backlog.inits),
+                "not_request_peer": self.not_request_peer,
+                "refused_claims": self.refused_claims}
+
     def peer_lost(self, endpoint: str, reason: str) -> None:
         """Drop the decode rank at ``endpoint`` (after its requests heard of it)."""
         self.peers.drop(endpoint, reason=reason)

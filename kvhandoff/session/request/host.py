@@ -33,8 +33,11 @@ What a request asks of its host, all of it:
   when it is over (settled on prefill, released on decode);
 * I/O it must not do itself: :meth:`~RankHost.post` a control message, :meth:`~RankHost.track`
   a transfer handle, :meth:`~RankHost.spawn` a blocking job;
-* prefill only: :meth:`~RankHost.notice` (a chunk status as an in-band notice) and
-  :meth:`~RankHost.write_failed`; decode only: :attr:`~RankHost.groups`.
+* prefill only (:class:`PrefillHost`): :meth:`~PrefillHost.notice` (a chunk status as
+  an in-band notice), :meth:`~PrefillHost.defer_write` and
+  :meth:`~PrefillHost.write_failed`; decode only (:class:`DecodeHost`):
+  :attr:`~DecodeHost.groups`. A Sender takes a ``PrefillHost`` and a Receiver a
+  ``DecodeHost``, so handing one the other role's agent is a type error.
 
 Threading: every method may be called from any thread, with the request's lock held.
 A host takes its own locks only after the request's, never the other way round, and
@@ -171,11 +174,6 @@ class RankHost(Protocol):
     @property
     def kv_repageable(self) -> bool: ...
 
-    @property
-    def groups(self) -> PrefillGroups:
-        """Decode: the prefill groups (shared by every request of this rank)."""
-        ...
-
     def attach(self, side: Request) -> Backlog:
         """Register a new request (raises :class:`AgentClosed` once closed, ``ValueError``
         for a request id already live here); returns its backlog."""
@@ -193,17 +191,31 @@ class RankHost(Protocol):
     def spawn(self, job: Callable[[], None]) -> None:
         """Run a blocking ``job`` on a worker thread (dropped once the agent closes)."""
 
+
+class PrefillHost(RankHost, Protocol):
+    """A prefill rank's agent, as its :class:`~kvhandoff.session.request.sender.Sender` sees it."""
+
     def notice(self, peer: DecodePeer, status: TransferStatus) -> bytes | None:
-        """Prefill: ``status`` as the in-band notice of writes to ``peer``, or None when
+        """``status`` as the in-band notice of writes to ``peer``, or None when
         it must go over the control socket."""
         ...
 
     def defer_write(self, write: BatchedWrite) -> bool:
-        """Prefill: take ``write`` into a batch (True): the control I/O thread's, submitted
+        """Take ``write`` into a batch (True): the control I/O thread's, submitted
         once it handled every message that is ready, or the calling thread's inside
         ``Agent.batched_writes()``, submitted when that exits. False when the caller must
         submit it now (neither, or closing). See :mod:`kvhandoff.session.control.write_batch`."""
         ...
 
     def write_failed(self, peer: DecodePeer) -> None:
-        """Prefill: a write to ``peer`` failed; watch that rank until it answers."""
+        """A write to ``peer`` failed; watch that rank until it answers."""
+
+
+class DecodeHost(RankHost, Protocol):
+    """A decode rank's agent, as its :class:`~kvhandoff.session.request.receiver.Receiver`
+    sees it."""
+
+    @property
+    def groups(self) -> PrefillGroups:
+        """The prefill groups (shared by every request of this rank)."""
+        ...

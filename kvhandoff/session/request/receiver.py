@@ -59,7 +59,7 @@ from kvhandoff.session.peers.prefill_groups import GroupState, PrefillGroup, Pre
 from kvhandoff.session.request import aux
 from kvhandoff.session.request.checksum import plan_digests
 from kvhandoff.session.request.chunks import check_items
-from kvhandoff.session.request.host import RankHost
+from kvhandoff.session.request.host import DecodeHost
 from kvhandoff.session.request.recv_core import (
     CheckGuard,
     ClearGuard,
@@ -97,8 +97,9 @@ class Receiver(RequestSide):
     """See the module docstring."""
 
     _core: RecvCore
+    agent: DecodeHost
 
-    def __init__(self, agent: RankHost, bootstrap_addr: str, request_id: RequestId, *,
+    def __init__(self, agent: DecodeHost, bootstrap_addr: str, request_id: RequestId, *,
                  key: RequestKey | None = None, instance: str | None = None,
                  dp_rank: int | None = None) -> None:
         super().__init__(agent, request_id, "decode")

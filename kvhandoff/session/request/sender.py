@@ -79,7 +79,7 @@ from kvhandoff.session.peers.decode_ranks import DecodePeer
 from kvhandoff.session.request import aux
 from kvhandoff.session.request.checksum import plan_digests
 from kvhandoff.session.request.chunks import check_items, state_lists
-from kvhandoff.session.request.host import RankHost
+from kvhandoff.session.request.host import PrefillHost
 from kvhandoff.session.request.send_core import (
     PlanChunk,
     SendCore,
@@ -98,8 +98,9 @@ class Sender(RequestSide):
     """See the module docstring."""
 
     _core: SendCore
+    agent: PrefillHost
 
-    def __init__(self, agent: RankHost, request_id: RequestId, *,
+    def __init__(self, agent: PrefillHost, request_id: RequestId, *,
                  key: RequestKey | None = None) -> None:
         super().__init__(agent, request_id, "prefill")
         self.key = key  # read by the desk, without the lock: never changes

@@ -25,13 +25,10 @@ from collections.abc import Callable
 from kvhandoff.protocol import Heartbeat, HeartbeatAck, Message
 from kvhandoff.session.config import SessionConfig
 from kvhandoff.session.control.channel import ControlChannel, Origin
-from kvhandoff.session.rank.decode_desk import DecodeDesk
+from kvhandoff.session.rank.desk import Desk
 from kvhandoff.session.rank.liveness.watch import PeerWatch
-from kvhandoff.session.rank.prefill_desk import PrefillDesk
 
 log = logging.getLogger("kvhandoff.session.rank.agent")  # the agent's voice: one logger per agent
-
-Desk = PrefillDesk | DecodeDesk
 
 
 class Heartbeats:
@@ -81,7 +78,7 @@ class Heartbeats:
         watched: set[str] = set()  # one pass (one lock each) per tick: serves both users
         for r in live:
             watched |= r.peer_endpoints()
-        if isinstance(desk, PrefillDesk):
+        if desk is not None:
             desk.on_tick(now, watched)
         assert self.control is not None
         ping, lost, busy = self.watch.tick(watched, now, self.control.link_up)
