@@ -236,6 +236,7 @@ class ControlDoor:
     def close(self) -> None:
         """Close the ZAP and monitor sockets (before the context is terminated; the
         ROUTER closes the listening socket)."""
+        self._fd = -1  # libzmq's to close: never touched again, whatever reuses the number
         if self.monitor is not None:
             with contextlib.suppress(zmq.ZMQError):
                 self._router.disable_monitor()
