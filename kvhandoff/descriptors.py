@@ -22,9 +22,10 @@ import errno
 import os
 import resource
 import socket
+import sys
 
-__all__ = ["OUT_OF_DESCRIPTORS", "RESERVE", "Backoff", "connection_cap", "in_use", "limit",
-           "listening_socket"]
+__all__ = ["BACKLOG", "OUT_OF_DESCRIPTORS", "RESERVE", "Backoff", "connection_cap", "in_use",
+           "limit", "listening_socket", "reset_listen_queue"]
 
 RESERVE = 32
 """Descriptors no listener's cap counts on: what the rest of the process opens."""
@@ -74,17 +75,60 @@ class Backoff:
         self.delay = self.first
 
 
+BACKLOG = 128
+"""Connections a listening socket queues before they are accepted."""
+_TCP_INFO_QUEUED = 24  # struct tcp_info: tcpi_unacked, a listener's accept queue length
+
+
 def listening_socket(host: str, port: int) -> socket.socket:
     """A non-blocking listening TCP socket on ``host:port`` (every address for ``""`` or
-    ``"*"``; port 0: any free one); ``OSError`` when it cannot be bound."""
+    ``"*"``; port 0: any free one); ``OSError`` when it cannot be bound.
+
+    The port is always bound explicitly (port 0 asks the kernel for one first, on a probe
+    socket that holds it meanwhile): only then does it survive
+    :func:`reset_listen_queue`, which would otherwise give it back."""
     host = "" if host == "*" else host
-    if not host and socket.has_dualstack_ipv6():
-        sock = socket.create_server(("::", port), family=socket.AF_INET6,
-                                    dualstack_ipv6=True)
-    else:
-        family, _, _, _, addr = socket.getaddrinfo(host or "0.0.0.0", port,
-                                                   type=socket.SOCK_STREAM,
-                                                   flags=socket.AI_PASSIVE)[0]
-        sock = socket.create_server(addr[:2], family=family)
+    dualstack = not host and socket.has_dualstack_ipv6()
+    family, addr = socket.AF_INET6, ("::", port)
+    if not dualstack:
+        family, _, _, _, found = socket.getaddrinfo(host or "0.0.0.0", port,
+                                                    type=socket.SOCK_STREAM,
+                                                    flags=socket.AI_PASSIVE)[0]
+        addr = (str(found[0]), int(found[1]))
+    probe = None
+    if port == 0:  # both sockets reuse the address and neither listens: both may bind
+        probe = socket.socket(family, socket.SOCK_STREAM)
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if dualstack:
+            probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+    try:
+        if probe is not None:
+            probe.bind(addr)
+            addr = (addr[0], probe.getsockname()[1])
+        sock = socket.create_server(addr, family=family, backlog=BACKLOG,
+                                    dualstack_ipv6=dualstack)
+    finally:
+        if probe is not None:
+            probe.close()
     sock.setblocking(False)
     return sock
+
+
+def reset_listen_queue(sock: socket.socket) -> int:
+    """Close every connection waiting in ``sock``'s accept queue, unread, without taking
+    a descriptor; returns how many there were. ``sock`` (from :func:`listening_socket`)
+    keeps its port and listens again at once: the queue is reset by shutting the
+    socket down (Linux resets the queued connections), then listening anew. What a
+    process out of descriptors does instead of accepting with a spare descriptor, which
+    any other thread of the process may take first (libzmq's I/O thread, spinning on the
+    same queue, does)."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+        queued = int.from_bytes(info[_TCP_INFO_QUEUED:_TCP_INFO_QUEUED + 4], sys.byteorder)
+    except (OSError, AttributeError):  # not Linux
+        queued = 0
+    try:
+        sock.shutdown(socket.SHUT_RD)
+    finally:
+        sock.listen(BACKLOG)
+    return queued

@@ -42,17 +42,20 @@ JUNK = [
 ]
 
 
-def _ask(endpoint: str, frames: list[bytes], timeout_ms: int = 5000) -> ErrorReply:
+def _ask(endpoint: str, frames: list[bytes], timeout_ms: int = 60_000) -> ErrorReply:
+    """The agent's answer to ``frames``. The wait bounds a broken agent, it times nothing:
+    under CPU hogs an oversized message took its answer past 5 s, and then the socket,
+    left open, made ``ctx.term()`` hang the whole run instead of failing the test."""
     ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
     try:
-        s = ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
         s.connect(endpoint)
         s.send_multipart(frames)
         assert s.poll(timeout_ms), "no answer"
         reply = decode_message(s.recv())
-        s.close()
     finally:
+        s.close()
         ctx.term()
     assert isinstance(reply, ErrorReply)
     return reply

@@ -33,6 +33,9 @@ from kvhandoff.session import Status
 FIXTURES = (instance, no_leaked_threads)  # imported for pytest
 INTRUDER = Path(__file__).with_name("intruder.py")
 USER = "kvh-intruder"
+INTRUDER_S = 120.0
+"""Bounds the intruder's run; the live request waits for its chunks at least as long (the
+rig's 5 s waiting timeout ran out while a loaded machine ran the intruder)."""
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +59,12 @@ def other_user() -> tuple[int, int]:
 
 @pytest.fixture(params=["default", "insecure"])
 def deployment(request: pytest.FixtureRequest, instance: str) -> Iterator[Rig]:
-    """A bootstrap server and a rig configured with nothing (or explicitly insecure)."""
-    cfg: dict[str, Any] = {"insecure": True} if request.param == "insecure" else {}
-    with BootstrapServer(insecure=bool(cfg)) as srv:
+    """A bootstrap server and a rig configured with nothing (or explicitly insecure) but a
+    waiting timeout the intruder cannot outlast."""
+    insecure = request.param == "insecure"
+    cfg: dict[str, Any] = {"waiting_timeout": INTRUDER_S} | ({"insecure": True} if insecure
+                                                              else {})
+    with BootstrapServer(insecure=insecure) as srv:
         rig = Rig(srv.url, instance, prefill_cfg=cfg, decode_cfg=cfg)
         try:
             yield rig
@@ -73,7 +79,7 @@ def _intrude(rig: Rig, uid: int, gid: int, rid: object) -> dict[str, str]:
            "data_endpoint": rig.decode.transport_endpoint.decode()}
     env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": os.pathsep.join(sys.path)}
     run = subprocess.run([sys.executable, str(INTRUDER)], input=json.dumps(job).encode(),
-                         capture_output=True, timeout=120, env=env)
+                         capture_output=True, timeout=INTRUDER_S, env=env)
     assert run.returncode == 0, run.stderr.decode(errors="replace")[-3000:]
     out: dict[str, str] = json.loads(run.stdout)
     return out

@@ -18,11 +18,17 @@ descriptors spins libzmq's I/O thread on a core, silently, until descriptors fre
   over the cap (those that raced in); ``ZMQ_HANDSHAKE_IVL`` cuts one that never greets;
 * a failed accept (the process is out of descriptors), reported by the monitor, is
   counted and logged at a bounded rate, and answered by a back-off: the socket stops
-  taking connections for a while, and those already waiting are closed unread with a
-  descriptor kept in reserve for that (the reserve descriptor of libuv and nginx), so
+  taking connections for a while, and those already waiting are closed unread
+  (:func:`~kvhandoff.descriptors.reset_listen_queue`, which needs no descriptor), so
   libzmq finds nothing to accept and does not spin. The pause doubles while accepts
   keep failing, up to a second, and starts over once one succeeds. Peers whose
   connection was closed reconnect (ZeroMQ's DEALERs retry on their own).
+
+  (It used to accept them with a descriptor kept in reserve, as libuv and nginx do;
+  but libzmq's I/O thread, spinning on the same queue, often took the freed
+  descriptor first, the reserve could not be reopened, and libzmq spun for as long
+  as the flood lasted: ``tests/security/test_descriptor_flood.py`` failed now and
+  then with the victim at 100 % of a core.)
 
 Without socket filters (not Linux) only the ZAP refusal and the draining are done.
 
@@ -48,6 +54,7 @@ from kvhandoff.descriptors import (
     Backoff,
     connection_cap,
     listening_socket,
+    reset_listen_queue,
 )
 from kvhandoff.transport.throttle import Throttle
 
@@ -86,7 +93,6 @@ class ControlDoor:
         self._router = router
         self._live: set[int] = set()  # descriptors of the ROUTER's accepted connections
         self._fd = -1  # the listening socket, libzmq's once bound
-        self._spare = -1
         self._backoff = Backoff()
         self._paused_until: float | None = None  # backing off: no connections until then
         self._filtered = False  # the drop filter is on the listening socket
@@ -98,7 +104,6 @@ class ControlDoor:
             router.setsockopt(zmq.ZAP_DOMAIN, _DOMAIN)
             router.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
             self.monitor = router.get_monitor_socket(_EVENTS)
-            self._spare = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         except BaseException:
             self.close()
             raise
@@ -192,26 +197,19 @@ class ControlDoor:
             listener.detach()
 
     def _drain(self) -> int:
-        """Close every connection waiting to be accepted, with the spare descriptor."""
+        """Close every connection waiting to be accepted, unread (no descriptor needed)."""
         if self._fd < 0:
             return 0
-        if self._spare >= 0:
-            os.close(self._spare)
-            self._spare = -1
         listener = self._listener()
-        n = 0
         try:
-            while True:
-                try:
-                    conn, _ = listener.accept()
-                except OSError:  # the queue is empty, or still no descriptor to spare
-                    break
-                conn.close()
-                n += 1
+            n = reset_listen_queue(listener)
+        except OSError as e:  # still listening: libzmq's next failure retries
+            log.debug("control socket of %s: resetting the listen queue: %s", self.name, e)
+            n = 0
         finally:
             listener.detach()
-        with contextlib.suppress(OSError):  # retried at the next failure
-            self._spare = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        if self._filtered:  # the drop filter belongs to the paused socket
+            self._filter(True)
         self.drained += n
         return n
 
@@ -236,14 +234,12 @@ class ControlDoor:
                                      *status, b"", b""])
 
     def close(self) -> None:
-        """Close the ZAP and monitor sockets and the spare descriptor (before the
-        context is terminated; the ROUTER closes the listening socket)."""
+        """Close the ZAP and monitor sockets (before the context is terminated; the
+        ROUTER closes the listening socket)."""
+        self._fd = -1  # libzmq's to close: never touched again, whatever reuses the number
         if self.monitor is not None:
             with contextlib.suppress(zmq.ZMQError):
                 self._router.disable_monitor()
             self.monitor.close(linger=0)
             self.monitor = None
         self.zap.close(linger=0)
-        if self._spare >= 0:
-            os.close(self._spare)
-            self._spare = -1

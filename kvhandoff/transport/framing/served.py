@@ -166,6 +166,16 @@ class ThreadedServer(abc.ABC):
             self._unproven.pop(conn, None)  # no longer subject to the unproven caps
 
     def _accept_loop(self) -> None:
+        """Accept until :meth:`close`; then close the listening socket. This thread owns
+        it: ``close`` only shuts it down (to wake ``accept``), and both happen under the
+        lock, so neither can reach a descriptor number the other just freed for reuse."""
+        try:
+            self._accept_until_closed()
+        finally:
+            with self._lock:
+                self._listener.close()
+
+    def _accept_until_closed(self) -> None:
         backoff = Backoff()
         while not self._closing:
             try:
@@ -174,8 +184,13 @@ class ThreadedServer(abc.ABC):
                 self._reap(time.monotonic())
                 continue
             except OSError as e:
-                if self._closing or e.errno in _DEAD_LISTENER:
+                if self.closing:
                     return  # listener shut down by close()
+                if e.errno in _DEAD_LISTENER:  # someone else shut or closed it: say so
+                    log.error("%s server: its listening socket stopped (%s) although the "
+                              "server was not closed; nothing accepts its connections any "
+                              "more", self.name, e)
+                    return
                 self.accept_failures += 1
                 wait = backoff.next()
                 _accept_failed("%s server: accept failed (%s; %d connections held, at most "
@@ -223,14 +238,14 @@ class ThreadedServer(abc.ABC):
     def _reap(self, now: float) -> None:
         """Cut unproven connections older than ``HELLO_DEADLINE_S`` (their serving
         threads wake, see the socket shut and end)."""
-        with self._lock:
+        with self._lock:  # shut under the lock: its serving thread closes it under it
             late = [c for c, t0 in self._unproven.items() if now - t0 > HELLO_DEADLINE_S]
             for c in late:
                 del self._unproven[c]
-        for c in late:
+                shut(c)
+        for _ in late:
             _refused("%s server: cut a connection that did not pass the handshake within "
                      "%g s", self.name, HELLO_DEADLINE_S)
-            shut(c)
 
     def _serve(self, conn: socket.socket) -> None:
         try:
@@ -247,31 +262,37 @@ class ThreadedServer(abc.ABC):
         except Exception:  # never let a serving thread die silently
             log.exception("%s server: internal error; connection dropped", self.name)
         finally:
-            with self._lock:
+            with self._lock:  # closed under the lock, see close()
                 self._conns.pop(conn, None)
                 self._hosts.pop(conn, None)
                 self._unproven.pop(conn, None)
-            conn.close()
+                conn.close()
 
     @property
     def closing(self) -> bool:
         return self._closing
 
     def close(self) -> None:
+        """Stop accepting, end every connection, join the threads (bounded by JOIN_S).
+
+        Sockets are only shut down here, never closed: the thread that uses a socket
+        closes it (the accept thread its listener, a serving thread its connection),
+        and shutting down and closing both happen under the lock. A socket shut down
+        here is therefore still open; one shut down *after* another thread closed it
+        could hit a new socket that reused its descriptor number (CPython reads the
+        number after releasing the GIL): a stranger's listener would stop listening,
+        its connection end (seen as refused connections and handshakes cut at 0 B)."""
         with self._lock:
             if self._closing:
                 return
             self._closing = True
-            conns = dict(self._conns)
+            threads = list(self._conns.values())
+            shut(self._listener)  # wakes accept() on Linux (EINVAL)
+            for c in self._conns:
+                shut(c)  # wakes recv() in the serving thread
         self._wake.set()
-        with contextlib.suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)  # wakes accept() on Linux
-        self._listener.close()
-        for c in conns:
-            with contextlib.suppress(OSError):
-                c.shutdown(socket.SHUT_RDWR)  # wakes recv() in the serving thread
         self._accepter.join(JOIN_S)
-        for t in conns.values():
+        for t in threads:
             t.join(JOIN_S)
 
 
@@ -356,6 +377,11 @@ class WorkerPeer(Peer):
         self._error: TransportError | None = None  # set once: lost or closed
         self._pending: set[Tracked] = set()
         self._threads: list[threading.Thread] = []
+        # _wake (shut sockets down) and _release (close them) never overlap, and nothing
+        # is woken once released: a socket shut down after its close could hit a new
+        # socket that reused its descriptor number (see ThreadedServer.close)
+        self._sockets_lock = threading.Lock()
+        self._released = False
 
     def _start(self, *loops: tuple[Callable[[], None], str]) -> None:
         """Start one daemon worker thread per ``(loop, thread name)``, each run under
@@ -444,7 +470,9 @@ class WorkerPeer(Peer):
             self._pending.clear()
         for item in pending:
             item.handle.set_failed(error)
-        self._wake()
+        with self._sockets_lock:
+            if not self._released:
+                self._wake()
 
     @property
     def closed(self) -> bool:
@@ -461,7 +489,10 @@ class WorkerPeer(Peer):
         for t in self._threads:
             if t is not me:
                 t.join(JOIN_S)
-        self._release()
+        with self._sockets_lock:
+            if not self._released:
+                self._released = True
+                self._release()
 
 
 MAX_REPLY = 1 << 16

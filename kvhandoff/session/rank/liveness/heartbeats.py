@@ -57,8 +57,10 @@ class Heartbeats:
 
     def on_message(self, origin: Origin, msg: Message) -> bool:
         """Hear from ``origin`` (whatever it says) and answer a heartbeat; False when
-        ``msg`` is not one."""
-        assert self.control is not None
+        ``msg`` is not one. Before :attr:`control` is set, heartbeats are dropped (the
+        sender pings again)."""
+        if self.control is None:  # see tick
+            return isinstance(msg, Heartbeat | HeartbeatAck)
         if origin.endpoint is not None:
             self.watch.heard(origin.endpoint, time.monotonic())
         match msg:
@@ -72,6 +74,11 @@ class Heartbeats:
         return True
 
     def tick(self, now: float, desk: Desk | None) -> None:
+        """Run the live requests' timers, ping and judge the peers. Nothing before
+        :attr:`control` is set: the channel ticks from the moment it opens, while the
+        agent is still starting (a slow start used to log an AssertionError here)."""
+        if self.control is None:
+            return
         live = [] if desk is None else [*desk.live()]
         for r in live:
             r.on_tick(now)
@@ -80,7 +87,6 @@ class Heartbeats:
             watched |= r.peer_endpoints()
         if desk is not None:
             desk.on_tick(now, watched)
-        assert self.control is not None
         ping, lost, busy = self.watch.tick(watched, now, self.control.link_up)
         for ep in ping:
             self._ping(ep, self.watch.next_seq())
