@@ -17,11 +17,11 @@ SGLang calls                        kvhandoff
 ``manager.try_ensure_parallel_info``  SGLang's topology lookup, then kvhandoff's
                                     handshake with that prefill: a pair whose layouts
                                     differ is refused here, every difference named
-``Sender(mgr, addr, room)``         ``Sender(agent, room)``
+``Sender(mgr, addr, room)``         ``Sender(agent, room, key)``
 ``sender.pop_decode_prefix_len``    ``Sender.decode_prefix_len``
 ``sender.init`` / ``send``          ``Sender.init`` / ``send`` (via the manager's
                                     ``add_transfer_request``; pages from token 0)
-``Receiver(mgr, addr, room)``,      ``Receiver(agent, addr/kvhandoff, room, dp_rank)``,
+``Receiver(mgr, addr, room)``,      ``Receiver(agent, addr/kvhandoff, room, key)``,
 ``receiver.init(dp_rank)``          ready for metadata at once
 ``receiver.send_metadata``          ``Receiver.init`` (every component's indices)
 ``poll``                            the kit's outcome table (``kvpoll``): a failed
@@ -31,8 +31,19 @@ SGLang calls                        kvhandoff
 ``get_transfer_metric``             the handoff's figures (transfer phase, bytes)
 ==================================  ==================================================
 
+**The request's key.** SGLang's router hands prefill and decode only the room, so both
+sides derive the request's key from it and the deployment secret
+(``RequestKey.for_room``; none when ``insecure``): prefill writes a request's KV only to
+the decode ranks that prove they hold its room's key.
+
+**The lease.** The scheduler hands the sender its last chunk as soon as prefill is done
+(``send`` → kvhandoff's last chunk, which starts ``SessionConfig.lease``) and keeps
+polling it in its inflight queue; ``poll`` says Success or Failed only once the Sender
+is settled, so SGLang frees the pages and the metadata row when nothing reads them any
+more, whatever the outcome (``LeaseExpired`` included).
+
 Control messages travel over kvhandoff's control plane (signed with a deployment secret),
-bytes over the configured kvhandoff transport (``KVHANDOFF_TRANSPORT``, ``tcp`` by
+bytes over the configured kvhandoff transport (``KVHANDOFF_TRANSPORT``, ``auto`` by
 default), timeouts and liveness are kvhandoff's (``KVHANDOFF_*``,
 :class:`~kvhandoff.integrations.SessionConfig`). SGLang's own ZMQ socket of each rank is
 opened by the base class and stays idle. Not supported (refused at start-up): pipeline
@@ -73,6 +84,7 @@ from kvhandoff.integrations import (
     Figures,
     HandshakeError,
     Receiver,
+    RequestKey,
     Role,
     Sender,
     SessionConfig,
@@ -122,6 +134,7 @@ class KvhandoffKVManager(CommonKVManager):  # type: ignore[misc]
     def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode,
                  server_args: ServerArgs, is_mla_backend: bool | None = False) -> None:
         self.config = session_config()
+        self.secret = self.config.secret()  # read once: every request's key derives from it
         self.senders: dict[int, _Outgoing] = {}
         self.refusals: dict[str, str] = {}  # decode: bootstrap address -> handshake refusal
         self.handshaken: set[str] = set()
@@ -205,6 +218,13 @@ class KvhandoffKVManager(CommonKVManager):  # type: ignore[misc]
         self.handshaken.add(bootstrap_addr)
         return True
 
+    def request_key(self, bootstrap_room: int) -> RequestKey | None:
+        """The key binding request ``bootstrap_room`` to its decode: derived from the room
+        and the deployment secret, so prefill and decode (and nobody without the secret)
+        compute the same one with nothing sent; None without a secret (``insecure``)."""
+        return None if self.secret is None else RequestKey.for_room(bootstrap_room,
+                                                                     self.secret)
+
     # --- prefill ---------------------------------------------------------------------
 
     def add_transfer_request(self, bootstrap_room: int, kv_indices: npt.ArrayLike,
@@ -266,7 +286,7 @@ class KvhandoffKVSender(CommonKVSender):  # type: ignore[misc]
     def __init__(self, mgr: KvhandoffKVManager, bootstrap_addr: str, bootstrap_room: int,
                  req_has_disagg_prefill_dp_rank: bool = False) -> None:
         super().__init__(mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank)
-        self.kvh = Sender(mgr.agent, bootstrap_room)
+        self.kvh = Sender(mgr.agent, bootstrap_room, key=mgr.request_key(bootstrap_room))
         self._out = mgr.senders[bootstrap_room] = _Outgoing(self.kvh)
         self._figures: Figures | None = None
 
@@ -291,6 +311,12 @@ class KvhandoffKVSender(CommonKVSender):  # type: ignore[misc]
             self.conclude_state = state
             self._figures = figures("prefill", self.kvh)
         return state
+
+    @property
+    def figures(self) -> Figures | None:
+        """The handoff's figures once it ended (None before): what
+        :meth:`get_transfer_metric` reports, with kvhandoff's bytes per component."""
+        return self._figures
 
     def get_transfer_metric(self) -> KVTransferMetric:
         return _metric(self._figures)
@@ -332,7 +358,8 @@ class KvhandoffKVReceiver(CommonKVReceiver):  # type: ignore[misc]
             self.conclude_state = FAILED
             return
         self.kvh = Receiver(self.kv_mgr.agent, registry_url(self.bootstrap_addr),
-                            self.bootstrap_room, dp_rank=prefill_dp_rank)
+                            self.bootstrap_room, dp_rank=prefill_dp_rank,
+                            key=self.kv_mgr.request_key(self.bootstrap_room))
 
     def send_metadata(self, kv_indices: npt.ArrayLike, aux_index: int | None = None,
                       state_indices: list[Any] | None = None,
