@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from kvhandoff.session.config import add_timeout_arguments
 
-BENCHMARKS = ["session", "transport", "vllm"]
+BENCHMARKS = ["session", "transport", "vllm", "sglang"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

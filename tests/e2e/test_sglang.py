@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 
+from kvhandoff.integrations import AuxSpec
 from kvhandoff.lab.sglang.client import generate, stream
 from kvhandoff.lab.sglang.env import lab_env
 from kvhandoff.lab.sglang.rig import Deployment, Reference, all_running, make_pair
@@ -66,10 +67,18 @@ def test_prefill_sent_every_component(runs: list[Run], model: str) -> None:
     for r in runs:
         want = expected_bytes(model, len(r.input_ids))
         got = dict(r.entry.components)
-        assert got.pop("aux") > 0, r
+        aux = got.pop("aux")
+        assert aux > 0, r
         assert got == want, f"{r.prompt}: bytes per component {got}, expected {want}"
-        # the split adds up to what SGLang itself reports for the transfer
-        assert r.entry.sglang_total_bytes == sum(want.values()), r
+        own = None if r.entry.own_components is None else dict(r.entry.own_components)
+        if own is None:  # SGLang's own backends report the KV and state bytes
+            assert r.entry.sglang_total_bytes == sum(want.values()), r
+            continue
+        # kvhandoff counts every component itself: the same KV and state bytes, SGLang's
+        # metadata row, its arrival guard row, and reports the sum of them all to SGLang
+        assert own.pop("metadata") == aux and own.pop("aux") == AuxSpec().row_bytes, r
+        assert own == want, f"{r.prompt}: kvhandoff's bytes per component {own}, expected {want}"
+        assert r.entry.sglang_total_bytes == sum(want.values()) + aux + AuxSpec().row_bytes, r
 
 
 def test_decode_follows_the_state_it_receives(deployment: Deployment,

@@ -88,6 +88,7 @@ from kvhandoff.integrations import (
     Role,
     Sender,
     SessionConfig,
+    Status,
     bootstrap_url,
     figures,
     kvpoll,
@@ -109,7 +110,17 @@ log = logging.getLogger("kvhandoff.integrations.sglang")
 
 FAILED, SUCCESS = KVPOLL["Failed"], KVPOLL["Success"]
 BOOTSTRAPPING, WAITING = KVPOLL["Bootstrapping"], KVPOLL["WaitingForInput"]
+TRANSFERRING = KVPOLL["Transferring"]
 FINAL = (SUCCESS, FAILED)
+
+
+def held_in_bootstrap(state: int, failed: bool) -> int:
+    """``state`` for SGLang's bootstrap (prefill) and prealloc (decode) queues, which
+    take only Bootstrapping, WaitingForInput and Failed (anything else kills the
+    scheduler). A request that failed there but whose side is not quiet yet is held as
+    Transferring by the outcome table; it waits as Bootstrapping until it is quiet and
+    says Failed."""
+    return BOOTSTRAPPING if state == TRANSFERRING and failed else state
 
 HANDSHAKE_TIMEOUT = 5.0
 """Seconds decode's scheduler waits for the handshake with a new prefill (it runs on the
@@ -257,11 +268,13 @@ class _Outgoing:
     def __init__(self, sender: Sender) -> None:
         self.sender = sender
         self.skip = 0
+        self.chunks = 0  # handed to the Sender: until the first, SGLang's bootstrap queue polls
 
     def send(self, pages: npt.ArrayLike, last: bool, aux_index: int | None,
              state_indices: list[Any] | None, types: list[str]) -> None:
         arr = from_token_zero(pages, self.skip)
         self.skip = 0
+        self.chunks += 1
         state = None
         if last:
             if aux_index is None:
@@ -310,6 +323,8 @@ class KvhandoffKVSender(CommonKVSender):  # type: ignore[misc]
         if state in FINAL:
             self.conclude_state = state
             self._figures = figures("prefill", self.kvh)
+        if self._out.chunks == 0:
+            return held_in_bootstrap(state, self.kvh.status is Status.FAILED)
         return state
 
     @property
@@ -385,6 +400,8 @@ class KvhandoffKVReceiver(CommonKVReceiver):  # type: ignore[misc]
             return WAITING  # takes its metadata at once
         if state in FINAL:
             self.conclude_state = state
+        if not self._metadata:
+            return held_in_bootstrap(state, self.kvh.status is Status.FAILED)
         return state
 
     def failure_exception(self) -> None:
