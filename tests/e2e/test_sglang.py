@@ -6,7 +6,8 @@ and a decode server behind sglang-router serve every prompt (5 to 1500 tokens):
 
 * decode's greedy tokens equal the colocated server's, token for token;
 * prefill sent exactly the bytes the model's sizes call for, per component (SGLang's own
-  accounting, from inside its scheduler), and SGLang's reported total agrees;
+  accounting, from inside its scheduler, and kvhandoff's own count where it is the
+  backend), and the total SGLang reports agrees;
 * given another prompt than prefill's, decode still generates prefill's prompt's tokens
   (the negative control: decode's tokens come from the transferred state alone);
 * both sides registered the same pools, with the model's state types.
@@ -14,7 +15,8 @@ and a decode server behind sglang-router serve every prompt (5 to 1500 tokens):
 NemotronH (Mamba2) and DeepSeek-V3.2 (DSA) boot in both roles and register ``mamba`` and
 ``dsa`` state; how SGLang reads ``SGLANG_PLUGINS`` is pinned.
 
-The servers start once per session (:mod:`kvhandoff.lab.testing.sglang`). ``make test``
+The servers start once per session, one model's at a time, all of a model's at once
+(:mod:`kvhandoff.lab.testing.sglang`). ``make test``
 builds ``.venv-sglang`` first; elsewhere these tests skip, saying how to build it.
 """
 
@@ -43,6 +45,7 @@ from kvhandoff.lab.testing.sglang import (
     deployment,
     expected_bytes,
     model,
+    model_deployments,
     reference,
     reference_tokens,
     runs,
@@ -51,7 +54,8 @@ from kvhandoff.lab.testing.sglang import (
     shape,
 )
 
-FIXTURES = (backend, deployment, model, reference, reference_tokens, runs, sglang_logs)
+FIXTURES = (backend, deployment, model, model_deployments, reference, reference_tokens, runs,
+            sglang_logs)
 pytestmark = pytest.mark.sglang
 
 
