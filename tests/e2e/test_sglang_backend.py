@@ -117,7 +117,9 @@ def test_sglang_pools_hand_off_byte_exact(tmp_path: Path, family: str, ptp: int,
 def test_one_byte_flipped_on_the_wire_is_caught(tmp_path: Path) -> None:
     """Prefill's transport flips one source byte while it writes (after the sender
     digested its bytes); decode, asking for checksums, fails the request naming them."""
-    got = _handoff(tmp_path, family="mha", flip=True, decode_env={"KVHANDOFF_CHECKSUM": "1"})
+    # the flipping transport is a tcp one: decode must speak tcp too (not the default auto)
+    got = _handoff(tmp_path, family="mha", flip=True,
+                   decode_env={"KVHANDOFF_CHECKSUM": "1", "KVHANDOFF_TRANSPORT": "tcp"})
     decode = got[("decode", 0)]
     assert decode is not None and decode.status == FAILED, decode
     assert "component 'kv': decode bytes crc32" in decode.reason and decode.live == 0

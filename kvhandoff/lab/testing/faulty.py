@@ -102,7 +102,7 @@ class CorruptingTcp(TcpTransport):
 
 class SourceFlippingTcp(TcpTransport):
     def __init__(self, *, component: str = "kv", **options: object) -> None:
-        super().__init__(**options)  # type: ignore[arg-type]
+        super().__init__(**_keyed(options))  # type: ignore[arg-type]
         self.component = component
         self.flipped = 0
 
@@ -128,7 +128,7 @@ class ArmedSourceFlippingTcp(SourceFlippingTcp):
     the ``flip_transport`` shim)."""
 
     def __init__(self, *, armed: str, **options: object) -> None:
-        super().__init__(**_keyed(options))  # type: ignore[arg-type]
+        super().__init__(**options)  # type: ignore[arg-type]
         self.armed = armed
 
     def submit(self, peer: Peer, plan: Plan, *, notice: bytes | None = None) -> Handle:
