@@ -8,7 +8,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvhandoff-installed
 
-.PHONY: demo docs test lint typecheck unit gpu-check bench-planner bench-session bench-transport bench-vllm venv system-deps engines clean \
+.PHONY: demo docs test lint typecheck unit gpu-check bench-planner bench-session bench-transport bench-vllm bench-sglang venv system-deps engines clean \
 	vllm-venv demo-vllm sglang-venv demo-sglang sweep soak test-stress test-stress-faults
 
 venv: $(STAMP)
@@ -230,6 +230,11 @@ bench-transport: $(STAMP)
 # passes options, e.g. BENCH_VLLM="--transport nixl".
 bench-vllm: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/kvhandoff bench vllm $(BENCH_VLLM)
+
+# The kvhandoff SGLang backend against SGLang's own mooncake_tcp, real servers
+# (.venv-sglang); BENCH_SGLANG passes options, e.g. BENCH_SGLANG="--model mellum".
+bench-sglang: $(STAMP) $(SGLANG_STAMP)
+	$(BIN)/kvhandoff bench sglang $(BENCH_SGLANG)
 
 # Debian packages some optional transports need (Mooncake), for the wheel .venv gets
 # (Debian main only unless that is the CUDA one). Safe to re-run.

@@ -118,11 +118,13 @@ class ServerProcess:
         self._t0 = 0.0
 
     def start(self) -> None:
-        """Launch the process (its own session / process group), logging to ``log_path``."""
-        if self.proc is not None:
+        """Launch the process (its own session / process group), logging to ``log_path``.
+        A server whose process has ended (stopped or killed) may be started again: the
+        new process appends to the same log."""
+        if self.proc is not None and self.proc.poll() is None:
             raise RuntimeError(f"{self.name} already started")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("wb") as log:
+        with self.log_path.open("wb" if self.proc is None else "ab") as log:
             log.write(("$ " + " ".join(self.args) + "\n").encode())
             log.flush()
             self.proc = subprocess.Popen(
@@ -131,6 +133,7 @@ class ServerProcess:
                 preexec_fn=_die_with_parent if self.die_with_parent else None,
             )
         self._t0 = time.monotonic()
+        self.startup_s = None
 
     def healthy(self) -> bool:
         """Whether the health URL answers 200 now."""
@@ -171,10 +174,18 @@ class ServerProcess:
         """SIGTERM the process group, wait up to ``timeout`` s, then SIGKILL it; return
         once the whole group is gone (bounded). Returns the exit code (None if never
         started). Safe to call twice."""
+        return self._end(((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)))
+
+    def kill(self) -> int | None:
+        """SIGKILL the whole process group at once, as a crash or an OOM kill would (no
+        clean-up of any kind), and return once it is gone (bounded)."""
+        return self._end(((signal.SIGKILL, 10.0),))
+
+    def _end(self, steps: Sequence[tuple[signal.Signals, float]]) -> int | None:
         proc = self.proc
         if proc is None:
             return None
-        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
+        for sig, wait in steps:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, sig)  # pid == pgid: start_new_session=True
             try:

@@ -6,7 +6,8 @@ and a decode server behind sglang-router serve every prompt (5 to 1500 tokens):
 
 * decode's greedy tokens equal the colocated server's, token for token;
 * prefill sent exactly the bytes the model's sizes call for, per component (SGLang's own
-  accounting, from inside its scheduler), and SGLang's reported total agrees;
+  accounting, from inside its scheduler, and kvhandoff's own count where it is the
+  backend), and the total SGLang reports agrees;
 * given another prompt than prefill's, decode still generates prefill's prompt's tokens
   (the negative control: decode's tokens come from the transferred state alone);
 * both sides registered the same pools, with the model's state types.
@@ -14,7 +15,8 @@ and a decode server behind sglang-router serve every prompt (5 to 1500 tokens):
 NemotronH (Mamba2) and DeepSeek-V3.2 (DSA) boot in both roles and register ``mamba`` and
 ``dsa`` state; how SGLang reads ``SGLANG_PLUGINS`` is pinned.
 
-The servers start once per session (:mod:`kvhandoff.lab.testing.sglang`). ``make test``
+The servers start once per session, one model's at a time, all of a model's at once
+(:mod:`kvhandoff.lab.testing.sglang`). ``make test``
 builds ``.venv-sglang`` first; elsewhere these tests skip, saying how to build it.
 """
 
@@ -29,6 +31,7 @@ from pathlib import Path
 
 import pytest
 
+from kvhandoff.integrations import AuxSpec
 from kvhandoff.lab.sglang.client import generate, stream
 from kvhandoff.lab.sglang.env import lab_env
 from kvhandoff.lab.sglang.rig import Deployment, Reference, all_running, make_pair
@@ -42,6 +45,7 @@ from kvhandoff.lab.testing.sglang import (
     deployment,
     expected_bytes,
     model,
+    model_deployments,
     reference,
     reference_tokens,
     runs,
@@ -50,7 +54,8 @@ from kvhandoff.lab.testing.sglang import (
     shape,
 )
 
-FIXTURES = (backend, deployment, model, reference, reference_tokens, runs, sglang_logs)
+FIXTURES = (backend, deployment, model, model_deployments, reference, reference_tokens, runs,
+            sglang_logs)
 pytestmark = pytest.mark.sglang
 
 
@@ -66,10 +71,18 @@ def test_prefill_sent_every_component(runs: list[Run], model: str) -> None:
     for r in runs:
         want = expected_bytes(model, len(r.input_ids))
         got = dict(r.entry.components)
-        assert got.pop("aux") > 0, r
+        aux = got.pop("aux")
+        assert aux > 0, r
         assert got == want, f"{r.prompt}: bytes per component {got}, expected {want}"
-        # the split adds up to what SGLang itself reports for the transfer
-        assert r.entry.sglang_total_bytes == sum(want.values()), r
+        own = None if r.entry.own_components is None else dict(r.entry.own_components)
+        if own is None:  # SGLang's own backends report the KV and state bytes
+            assert r.entry.sglang_total_bytes == sum(want.values()), r
+            continue
+        # kvhandoff counts every component itself: the same KV and state bytes, SGLang's
+        # metadata row, its arrival guard row, and reports the sum of them all to SGLang
+        assert own.pop("metadata") == aux and own.pop("aux") == AuxSpec().row_bytes, r
+        assert own == want, f"{r.prompt}: kvhandoff's bytes per component {own}, expected {want}"
+        assert r.entry.sglang_total_bytes == sum(want.values()) + aux + AuxSpec().row_bytes, r
 
 
 def test_decode_follows_the_state_it_receives(deployment: Deployment,

@@ -99,6 +99,7 @@ def _exact(results: dict[tuple[str, int], Result | None]) -> None:
             assert r.flipped_found == 1, r
         else:
             assert r.metric_bytes, r  # get_transfer_metric reports what moved
+            assert r.keyed, r  # bound to its room's decode (a secret is on by default)
 
 
 @pytest.mark.parametrize(("family", "ptp", "dtp", "prefix"), [
@@ -116,7 +117,9 @@ def test_sglang_pools_hand_off_byte_exact(tmp_path: Path, family: str, ptp: int,
 def test_one_byte_flipped_on_the_wire_is_caught(tmp_path: Path) -> None:
     """Prefill's transport flips one source byte while it writes (after the sender
     digested its bytes); decode, asking for checksums, fails the request naming them."""
-    got = _handoff(tmp_path, family="mha", flip=True, decode_env={"KVHANDOFF_CHECKSUM": "1"})
+    # the flipping transport is a tcp one: decode must speak tcp too (not the default auto)
+    got = _handoff(tmp_path, family="mha", flip=True,
+                   decode_env={"KVHANDOFF_CHECKSUM": "1", "KVHANDOFF_TRANSPORT": "tcp"})
     decode = got[("decode", 0)]
     assert decode is not None and decode.status == FAILED, decode
     assert "component 'kv': decode bytes crc32" in decode.reason and decode.live == 0
@@ -146,6 +149,21 @@ def test_with_a_deployment_secret_only_its_holders_hand_off(tmp_path: Path) -> N
     decode = got[("decode", 0)]
     assert decode is not None and decode.status == FAILED, decode
     assert "KVHANDOFF_SECRET_FILE" in decode.reason and "not authenticated" in decode.reason
+
+
+def test_a_decode_without_the_rooms_key_gets_nothing(tmp_path: Path) -> None:
+    """Both sides derive the request's key from its room and the deployment secret; a
+    decode that holds the secret but claims the room with another room's key (an
+    impostor, or a misrouted request) is refused before anything is planned or written
+    and fails saying so; prefill, whose decode never came, fails too, and neither side
+    keeps anything live."""
+    got = _handoff(tmp_path, family="mha", scenario="foreign_key",
+                   env={"KVHANDOFF_INDICES_TIMEOUT": "5"})
+    decode, prefill = got[("decode", 0)], got[("prefill", 0)]
+    assert decode is not None and decode.status == FAILED, decode
+    assert "proof does not match the request's key" in decode.reason, decode.reason
+    assert prefill is not None and prefill.status == FAILED and prefill.keyed, prefill
+    assert decode.live == 0 and prefill.live == 0, got
 
 
 @pytest.mark.parametrize(("scenario", "failed", "dead", "words", "decode_env"), [

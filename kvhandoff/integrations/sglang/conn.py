@@ -17,11 +17,11 @@ SGLang calls                        kvhandoff
 ``manager.try_ensure_parallel_info``  SGLang's topology lookup, then kvhandoff's
                                     handshake with that prefill: a pair whose layouts
                                     differ is refused here, every difference named
-``Sender(mgr, addr, room)``         ``Sender(agent, room)``
+``Sender(mgr, addr, room)``         ``Sender(agent, room, key)``
 ``sender.pop_decode_prefix_len``    ``Sender.decode_prefix_len``
 ``sender.init`` / ``send``          ``Sender.init`` / ``send`` (via the manager's
                                     ``add_transfer_request``; pages from token 0)
-``Receiver(mgr, addr, room)``,      ``Receiver(agent, addr/kvhandoff, room, dp_rank)``,
+``Receiver(mgr, addr, room)``,      ``Receiver(agent, addr/kvhandoff, room, key)``,
 ``receiver.init(dp_rank)``          ready for metadata at once
 ``receiver.send_metadata``          ``Receiver.init`` (every component's indices)
 ``poll``                            the kit's outcome table (``kvpoll``): a failed
@@ -31,8 +31,19 @@ SGLang calls                        kvhandoff
 ``get_transfer_metric``             the handoff's figures (transfer phase, bytes)
 ==================================  ==================================================
 
+**The request's key.** SGLang's router hands prefill and decode only the room, so both
+sides derive the request's key from it and the deployment secret
+(``RequestKey.for_room``; none when ``insecure``): prefill writes a request's KV only to
+the decode ranks that prove they hold its room's key.
+
+**The lease.** The scheduler hands the sender its last chunk as soon as prefill is done
+(``send`` → kvhandoff's last chunk, which starts ``SessionConfig.lease``) and keeps
+polling it in its inflight queue; ``poll`` says Success or Failed only once the Sender
+is settled, so SGLang frees the pages and the metadata row when nothing reads them any
+more, whatever the outcome (``LeaseExpired`` included).
+
 Control messages travel over kvhandoff's control plane (signed with a deployment secret),
-bytes over the configured kvhandoff transport (``KVHANDOFF_TRANSPORT``, ``tcp`` by
+bytes over the configured kvhandoff transport (``KVHANDOFF_TRANSPORT``, ``auto`` by
 default), timeouts and liveness are kvhandoff's (``KVHANDOFF_*``,
 :class:`~kvhandoff.integrations.SessionConfig`). SGLang's own ZMQ socket of each rank is
 opened by the base class and stays idle. Not supported (refused at start-up): pipeline
@@ -73,9 +84,11 @@ from kvhandoff.integrations import (
     Figures,
     HandshakeError,
     Receiver,
+    RequestKey,
     Role,
     Sender,
     SessionConfig,
+    Status,
     as_decode,
     as_prefill,
     bootstrap_url,
@@ -99,7 +112,17 @@ log = logging.getLogger("kvhandoff.integrations.sglang")
 
 FAILED, SUCCESS = KVPOLL["Failed"], KVPOLL["Success"]
 BOOTSTRAPPING, WAITING = KVPOLL["Bootstrapping"], KVPOLL["WaitingForInput"]
+TRANSFERRING = KVPOLL["Transferring"]
 FINAL = (SUCCESS, FAILED)
+
+
+def held_in_bootstrap(state: int, failed: bool) -> int:
+    """``state`` for SGLang's bootstrap (prefill) and prealloc (decode) queues, which
+    take only Bootstrapping, WaitingForInput and Failed (anything else kills the
+    scheduler). A request that failed there but whose side is not quiet yet is held as
+    Transferring by the outcome table; it waits as Bootstrapping until it is quiet and
+    says Failed."""
+    return BOOTSTRAPPING if state == TRANSFERRING and failed else state
 
 HANDSHAKE_TIMEOUT = 5.0
 """Seconds decode's scheduler waits for the handshake with a new prefill (it runs on the
@@ -124,6 +147,7 @@ class KvhandoffKVManager(CommonKVManager):  # type: ignore[misc]
     def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode,
                  server_args: ServerArgs, is_mla_backend: bool | None = False) -> None:
         self.config = session_config()
+        self.secret = self.config.secret()  # read once: every request's key derives from it
         self.senders: dict[int, _Outgoing] = {}
         self.refusals: dict[str, str] = {}  # decode: bootstrap address -> handshake refusal
         self.handshaken: set[str] = set()
@@ -208,6 +232,13 @@ class KvhandoffKVManager(CommonKVManager):  # type: ignore[misc]
         self.handshaken.add(bootstrap_addr)
         return True
 
+    def request_key(self, bootstrap_room: int) -> RequestKey | None:
+        """The key binding request ``bootstrap_room`` to its decode: derived from the room
+        and the deployment secret, so prefill and decode (and nobody without the secret)
+        compute the same one with nothing sent; None without a secret (``insecure``)."""
+        return None if self.secret is None else RequestKey.for_room(bootstrap_room,
+                                                                     self.secret)
+
     # --- prefill ---------------------------------------------------------------------
 
     def add_transfer_request(self, bootstrap_room: int, kv_indices: npt.ArrayLike,
@@ -240,11 +271,13 @@ class _Outgoing:
     def __init__(self, sender: Sender) -> None:
         self.sender = sender
         self.skip = 0
+        self.chunks = 0  # handed to the Sender: until the first, SGLang's bootstrap queue polls
 
     def send(self, pages: npt.ArrayLike, last: bool, aux_index: int | None,
              state_indices: list[Any] | None, types: list[str]) -> None:
         arr = from_token_zero(pages, self.skip)
         self.skip = 0
+        self.chunks += 1
         state = None
         if last:
             if aux_index is None:
@@ -269,7 +302,8 @@ class KvhandoffKVSender(CommonKVSender):  # type: ignore[misc]
     def __init__(self, mgr: KvhandoffKVManager, bootstrap_addr: str, bootstrap_room: int,
                  req_has_disagg_prefill_dp_rank: bool = False) -> None:
         super().__init__(mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank)
-        self.kvh = Sender(as_prefill(mgr.agent), bootstrap_room)
+        self.kvh = Sender(as_prefill(mgr.agent), bootstrap_room,
+                          key=mgr.request_key(bootstrap_room))
         self._out = mgr.senders[bootstrap_room] = _Outgoing(self.kvh)
         self._figures: Figures | None = None
 
@@ -293,7 +327,15 @@ class KvhandoffKVSender(CommonKVSender):  # type: ignore[misc]
         if state in FINAL:
             self.conclude_state = state
             self._figures = figures("prefill", self.kvh)
+        if self._out.chunks == 0:
+            return held_in_bootstrap(state, self.kvh.status is Status.FAILED)
         return state
+
+    @property
+    def figures(self) -> Figures | None:
+        """The handoff's figures once it ended (None before): what
+        :meth:`get_transfer_metric` reports, with kvhandoff's bytes per component."""
+        return self._figures
 
     def get_transfer_metric(self) -> KVTransferMetric:
         return _metric(self._figures)
@@ -335,7 +377,8 @@ class KvhandoffKVReceiver(CommonKVReceiver):  # type: ignore[misc]
             self.conclude_state = FAILED
             return
         self.kvh = Receiver(as_decode(self.kv_mgr.agent), registry_url(self.bootstrap_addr),
-                            self.bootstrap_room, dp_rank=prefill_dp_rank)
+                            self.bootstrap_room, dp_rank=prefill_dp_rank,
+                            key=self.kv_mgr.request_key(self.bootstrap_room))
 
     def send_metadata(self, kv_indices: npt.ArrayLike, aux_index: int | None = None,
                       state_indices: list[Any] | None = None,
@@ -361,6 +404,8 @@ class KvhandoffKVReceiver(CommonKVReceiver):  # type: ignore[misc]
             return WAITING  # takes its metadata at once
         if state in FINAL:
             self.conclude_state = state
+        if not self._metadata:
+            return held_in_bootstrap(state, self.kvh.status is Status.FAILED)
         return state
 
     def failure_exception(self) -> None:

@@ -18,33 +18,47 @@ from typing import Any
 from kvhandoff.lab.servers import post_json
 from kvhandoff.lab.sglang.serve import BootstrapAddr
 
-__all__ = ["REQUEST_TIMEOUT_S", "Answer", "generate", "request_body", "stream"]
+__all__ = ["REQUEST_TIMEOUT_S", "Answer", "abort", "generate", "request_body", "stream"]
 
 REQUEST_TIMEOUT_S = 300.0
 
 
 def request_body(input_ids: Sequence[int], *, max_new_tokens: int,
-                 bootstrap: BootstrapAddr | None = None, stream: bool = False) -> dict[str, Any]:
+                 bootstrap: BootstrapAddr | None = None, stream: bool = False,
+                 rid: str | None = None) -> dict[str, Any]:
     """A greedy ``/generate`` body that always produces ``max_new_tokens`` tokens (EOS
     ignored). ``bootstrap`` routes it through a prefill server's room (send it to
-    prefill and decode alike); a router adds that itself."""
+    prefill and decode alike); a router adds that itself. ``rid`` names the request
+    (what ``/abort_request`` takes); SGLang picks one otherwise."""
     return {"input_ids": list(input_ids), "stream": stream,
             "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0,
                                 "ignore_eos": True},
-            **(bootstrap.fields() if bootstrap else {})}
+            **(bootstrap.fields() if bootstrap else {}), **({"rid": rid} if rid else {})}
 
 
 def generate(url: str, input_ids: Sequence[int], *, max_new_tokens: int,
-             bootstrap: BootstrapAddr | None = None,
+             bootstrap: BootstrapAddr | None = None, rid: str | None = None,
              timeout: float = REQUEST_TIMEOUT_S) -> dict[str, Any]:
     """POST one request to ``url`` (a server or a router) and return SGLang's answer
     (``output_ids``, ``meta_info``)."""
     out = post_json(url.rstrip("/") + "/generate",
-                    request_body(input_ids, max_new_tokens=max_new_tokens, bootstrap=bootstrap),
+                    request_body(input_ids, max_new_tokens=max_new_tokens, bootstrap=bootstrap,
+                                 rid=rid),
                     timeout=timeout)
     if not isinstance(out, dict) or "output_ids" not in out:
         raise ValueError(f"{url}/generate answered without output_ids: {str(out)[:500]}")
     return out
+
+
+def abort(url: str, rid: str, *, timeout: float = 30.0) -> None:
+    """Ask the SGLang server at ``url`` to abort request ``rid`` (``/abort_request``, as
+    its HTTP front does when a client disconnects); SGLang answers 200 whether or not it
+    knows the request."""
+    req = urllib.request.Request(url.rstrip("/") + "/abort_request",
+                                 data=json.dumps({"rid": rid}).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        resp.read()
 
 
 @dataclass(frozen=True, slots=True)

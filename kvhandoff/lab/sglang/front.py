@@ -40,18 +40,21 @@ ROUTER_ARGS: tuple[str, ...] = (
 class Router(ServerProcess):
     """``sglang_router.launch_router`` in PD mode in front of ``prefill`` and ``decode``
     servers; see :class:`~kvhandoff.lab.servers.ServerProcess`. It may start with them:
-    it waits up to ``startup_timeout`` s for them to answer.
+    it waits up to ``startup_timeout`` s for them to answer. Its Prometheus exporter
+    listens on ``metrics_port`` (the router's default, 29000, is one per host: a second
+    router beside it would die on start-up).
 
     Ready means ``/readiness`` reports every worker healthy: the router registers its
     workers in the background after it starts listening, and until then ``/health`` is
     already 200 but ``/generate`` answers 503 "No prefill workers available"."""
 
     def __init__(self, prefill: Sequence[SglangServer], decode: Sequence[SglangServer], *,
-                 port: int, log_path: str | os.PathLike[str], host: str = "127.0.0.1",
-                 startup_timeout: float = 300.0,
+                 port: int, metrics_port: int, log_path: str | os.PathLike[str],
+                 host: str = "127.0.0.1", startup_timeout: float = 300.0,
                  python: str | os.PathLike[str] | None = None) -> None:
         args = [str(python or sglang_python()), "-m", "sglang_router.launch_router",
                 "--pd-disaggregation", "--host", host, "--port", str(port), *ROUTER_ARGS,
+                "--prometheus-host", host, "--prometheus-port", str(metrics_port),
                 "--worker-startup-timeout-secs", str(int(startup_timeout))]
         for p in prefill:
             if p.role is not Role.PREFILL:

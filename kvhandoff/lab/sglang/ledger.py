@@ -21,7 +21,15 @@ scheduler's metric step, and appends JSON lines to ``$KVHANDOFF_SGLANG_LEDGER``:
   latency SGLang reports, keyed by bootstrap room. Because SGLang's latency means
   different things for different backends, the ledger also times every backend the same
   way (``lab_latency_s``): from the moment the scheduler hands the sender the request's
-  last chunk to the moment it sees the transfer succeed.
+  last chunk to the moment it sees the transfer succeed. A sender that counts its own
+  bytes per component (kvhandoff's: ``figures``, its handoff's
+  :class:`~kvhandoff.observe.figures.Figures`) has that count recorded beside SGLang's
+  (``own_components``), so a test can hold the backend's own accounting to the model's
+  sizes too.
+
+A backend's sender may override ``get_transfer_metric`` (kvhandoff's does): the shim
+wraps every subclass's own override as the class is defined, so each backend's figure
+is recorded, whichever class computes it.
 """
 
 from __future__ import annotations
@@ -61,7 +69,9 @@ class Transfer:
     """One request's transfer as prefill's sender accounted it.
 
     ``components`` maps ``kv``, each state type (``swa``, ``mamba``, ...) and ``aux`` to
-    bytes; ``sglang_total_bytes`` and ``latency_s`` are what SGLang reports for the
+    bytes; ``own_components`` is the backend's own count by its component names, when it
+    keeps one (kvhandoff: ``kv``, ``swa``, ..., ``metadata``), else None;
+    ``sglang_total_bytes`` and ``latency_s`` are what SGLang reports for the
     transfer (``sglang:kv_transfer_total_mb`` and ``_latency_ms``; ``latency_s`` None
     when SGLang had no figure); ``lab_latency_s`` is the same clock for every backend:
     last chunk handed to the sender → the scheduler saw Success."""
@@ -72,6 +82,7 @@ class Transfer:
     sglang_total_bytes: int
     latency_s: float | None
     lab_latency_s: float | None
+    own_components: Mapping[str, int] | None = None
 
 
 def _append(path: str | os.PathLike[str], record: Mapping[str, Any]) -> None:
@@ -118,11 +129,36 @@ _pending: dict[int, dict[str, Any]] = {}
 """Records the sender built, waiting for the scheduler's figures, by id of the metric."""
 
 
+def _own_components(sender: Any) -> dict[str, int] | None:
+    """The sender's own bytes per component, if it keeps a count (kvhandoff's sender
+    exposes its handoff's figures; SGLang's own senders have no such attribute)."""
+    figures = getattr(sender, "figures", None)  # any backend's sender: duck-typed
+    counted = getattr(figures, "component_bytes", None)
+    return None if counted is None else {str(k): int(v) for k, v in counted.items()}
+
+
+def _recording(metric: Any) -> Any:
+    """``get_transfer_metric`` that also prepares the request's :class:`Transfer`."""
+    def get_transfer_metric(self: Any) -> Any:
+        out = metric(self)
+        _pending[id(out)] = {
+            "event": "transfer", "room": int(self.bootstrap_room),
+            "sender": type(self).__name__,
+            "components": _components(self, self.__dict__.get("_kvh_ledger_counts", {})),
+            "own_components": _own_components(self),
+            "sglang_total_bytes": int(out.transfer_total_bytes or 0),
+            "last_send": self.__dict__.get("_kvh_ledger_last_send")}
+        return out
+
+    return get_transfer_metric
+
+
 def install_sender(conn: types.ModuleType) -> None:
     """Wrap ``conn.CommonKVSender`` so that it counts indices per component and, when
-    SGLang asks for its metric, prepares the request's :class:`Transfer`."""
+    SGLang asks for its metric, prepares the request's :class:`Transfer`; a subclass
+    defined later that overrides ``get_transfer_metric`` gets its override wrapped."""
     cls = conn.CommonKVSender
-    record, metric = cls._record_transfer_indices, cls.get_transfer_metric
+    record = cls._record_transfer_indices
 
     def record_indices(self: Any, kv_indices: Any, state_indices: Any) -> None:
         self._kvh_ledger_last_send = time.perf_counter()  # CommonKVSender.send calls us
@@ -133,18 +169,15 @@ def install_sender(conn: types.ModuleType) -> None:
             if indices is not None:
                 counts[f"state{i}"] = counts.get(f"state{i}", 0) + len(indices)
 
-    def get_transfer_metric(self: Any) -> Any:
-        out = metric(self)
-        _pending[id(out)] = {
-            "event": "transfer", "room": int(self.bootstrap_room),
-            "sender": type(self).__name__,
-            "components": _components(self, self.__dict__.get("_kvh_ledger_counts", {})),
-            "sglang_total_bytes": int(out.transfer_total_bytes or 0),
-            "last_send": self.__dict__.get("_kvh_ledger_last_send")}
-        return out
+    def init_subclass(sub: type, /, **kwargs: Any) -> None:
+        super(cls, sub).__init_subclass__(**kwargs)
+        own = sub.__dict__.get("get_transfer_metric")
+        if own is not None:
+            sub.get_transfer_metric = _recording(own)  # type: ignore[attr-defined]
 
     cls._record_transfer_indices = record_indices
-    cls.get_transfer_metric = get_transfer_metric
+    cls.get_transfer_metric = _recording(cls.get_transfer_metric)
+    cls.__init_subclass__ = classmethod(init_subclass)
 
 
 def install_stats(stats: types.ModuleType, path: str | os.PathLike[str]) -> None:
@@ -185,7 +218,9 @@ def transfers(path: str | os.PathLike[str]) -> dict[int, Transfer]:
         room=int(d["room"]), sender=str(d["sender"]),
         components={k: int(v) for k, v in d["components"].items()},
         sglang_total_bytes=int(d["sglang_total_bytes"]), latency_s=d["latency_s"],
-        lab_latency_s=d["lab_latency_s"])
+        lab_latency_s=d["lab_latency_s"],
+        own_components=None if d.get("own_components") is None
+        else {k: int(v) for k, v in d["own_components"].items()})
         for d in _records(path, "transfer")}
 
 

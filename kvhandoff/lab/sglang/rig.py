@@ -21,8 +21,8 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvhandoff.lab.servers import ProgressFn, ServerProcess, free_ports
@@ -33,10 +33,12 @@ from kvhandoff.lab.sglang.front import Router
 from kvhandoff.lab.sglang.models import ensure
 from kvhandoff.lab.sglang.serve import START_TIMEOUT_S, Role, SglangServer
 
-__all__ = ["BACKENDS", "LEDGER_TIMEOUT_S", "Deployment", "Pair", "Reference", "all_running",
-           "deployment", "make_pair", "reference", "stop_all"]
+__all__ = ["BACKENDS", "LEDGER_TIMEOUT_S", "Deployment", "Extras", "Pair", "Reference",
+           "all_running",
+           "deployment", "deployments", "make_deployment", "make_pair", "reference",
+           "stop_all"]
 
-BACKENDS: tuple[str, ...] = ("mooncake_tcp",)
+BACKENDS: tuple[str, ...] = ("mooncake_tcp", "kvhandoff")
 """The transfer backends the lab runs SGLang deployments over (tests, demo, bench)."""
 
 LEDGER_TIMEOUT_S = 60.0
@@ -94,6 +96,11 @@ class Deployment(Pair):
     router: Router
 
     @property
+    def servers(self) -> tuple[SglangServer, SglangServer, Router]:
+        """Everything the deployment runs, in start order."""
+        return (self.prefill, self.decode, self.router)
+
+    @property
     def url(self) -> str:
         """Where clients send requests: the router."""
         return self.router.url
@@ -119,9 +126,19 @@ class Deployment(Pair):
             time.sleep(0.05)
 
 
+@dataclass(frozen=True, slots=True)
+class Extras:
+    """What a test adds to a pair's servers: environment per role (e.g. a lab-only
+    transport on prefill, checksums on decode) and more shims (:mod:`.shims`) on both."""
+
+    prefill_env: Mapping[str, str] = field(default_factory=dict)
+    decode_env: Mapping[str, str] = field(default_factory=dict)
+    shims: tuple[str, ...] = ()
+
+
 def make_pair(model: str, backend: str, *, log_dir: str | os.PathLike[str],
               python: str | os.PathLike[str] | None = None,
-              ports: Sequence[int] | None = None) -> Pair:
+              ports: Sequence[int] | None = None, extras: Extras = Extras()) -> Pair:
     """Build (do not start) a prefill and a decode server, with a fresh ledger in
     ``log_dir``. ``ports``: prefill's HTTP and bootstrap ports and decode's (default:
     free ones)."""
@@ -132,29 +149,57 @@ def make_pair(model: str, backend: str, *, log_dir: str | os.PathLike[str],
     book = logs / f"{model}-{backend}-ledger.jsonl"
     book.unlink(missing_ok=True)
     pport, bport, dport = ports or free_ports(3)
-    shims, env = ("transfer_ledger",), {ledger.ENV: str(book)}
+    shims, env = ("transfer_ledger", "census", *extras.shims), {ledger.ENV: str(book)}
     p = SglangServer(model, path, Role.PREFILL, port=pport, bootstrap_port=bport,
-                     backend=backend, python=py, shims=shims, env=env,
+                     backend=backend, python=py, shims=shims, env={**env, **extras.prefill_env},
                      log_path=logs / f"{model}-{backend}-prefill.log")
     d = SglangServer(model, path, Role.DECODE, port=dport, backend=backend, python=py,
-                     shims=shims, env=env, log_path=logs / f"{model}-{backend}-decode.log")
+                     shims=shims, env={**env, **extras.decode_env},
+                     log_path=logs / f"{model}-{backend}-decode.log")
     return Pair(model, backend, p, d, book)
+
+
+def make_deployment(model: str, backend: str, *, log_dir: str | os.PathLike[str],
+                    timeout: float = START_TIMEOUT_S,
+                    python: str | os.PathLike[str] | None = None,
+                    extras: Extras = Extras()) -> Deployment:
+    """Build (do not start) a prefill and a decode server of ``model`` over ``backend``
+    and a router in front of them (:data:`Deployment.servers`, to start together)."""
+    *ports, rport, mport = free_ports(5)  # distinct: taken together
+    pair = make_pair(model, backend, log_dir=log_dir, python=python, ports=ports,
+                     extras=extras)
+    router = Router([pair.prefill], [pair.decode], port=rport, metrics_port=mport,
+                    python=python,
+                    startup_timeout=timeout,
+                    log_path=Path(log_dir) / f"{model}-{backend}-router.log")
+    return Deployment(model, backend, pair.prefill, pair.decode, pair.ledger_path, router)
 
 
 @contextlib.contextmanager
 def deployment(model: str, backend: str, *, log_dir: str | os.PathLike[str],
                timeout: float = START_TIMEOUT_S, progress: ProgressFn | None = None,
-               python: str | os.PathLike[str] | None = None) -> Iterator[Deployment]:
+               python: str | os.PathLike[str] | None = None,
+               extras: Extras = Extras()) -> Iterator[Deployment]:
     """Start a prefill and a decode server of ``model`` over ``backend`` and a router in
     front (all at once: the router waits for its workers itself), wait until all are
     ready (:func:`all_running`), yield the :class:`Deployment`, stop everything on exit."""
-    *ports, rport = free_ports(4)  # distinct: taken together
-    pair = make_pair(model, backend, log_dir=log_dir, python=python, ports=ports)
-    router = Router([pair.prefill], [pair.decode], port=rport, python=python,
-                    startup_timeout=timeout,
-                    log_path=Path(log_dir) / f"{model}-{backend}-router.log")
-    with all_running((pair.prefill, pair.decode, router), timeout, progress):
-        yield Deployment(model, backend, pair.prefill, pair.decode, pair.ledger_path, router)
+    with deployments(model, (backend,), log_dir=log_dir, timeout=timeout, progress=progress,
+                     python=python, extras=extras) as both:
+        yield both[backend]
+
+
+@contextlib.contextmanager
+def deployments(model: str, backends: Sequence[str], *, log_dir: str | os.PathLike[str],
+                timeout: float = START_TIMEOUT_S, progress: ProgressFn | None = None,
+                python: str | os.PathLike[str] | None = None,
+                extras: Extras = Extras()) -> Iterator[dict[str, Deployment]]:
+    """One :func:`deployment` of ``model`` per backend, all started at once (their boots
+    overlap), by backend."""
+    made = {b: make_deployment(model, b, log_dir=log_dir, timeout=timeout, python=python,
+                               extras=extras)
+            for b in dict.fromkeys(backends)}
+    with all_running([s for d in made.values() for s in d.servers], timeout, progress):
+        yield made
 
 
 class Reference:

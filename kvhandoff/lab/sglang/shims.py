@@ -16,7 +16,7 @@ import types
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from kvhandoff.lab.sglang import ledger, standins
+from kvhandoff.lab.sglang import census, ledger, standins
 from kvhandoff.lab.sglang.hooks import when_imported
 
 __all__ = ["ENV", "SHIMS", "Shim", "activate", "parse"]
@@ -120,6 +120,16 @@ def _transfer_ledger() -> None:
                   lambda stats: ledger.install_stats(stats, path))
 
 
+def _flip_transport() -> None:
+    from kvhandoff.transport.registry import register_transport
+
+    register_transport("tcp-flip-armed", "kvhandoff.lab.testing.faulty:ArmedSourceFlippingTcp")
+
+
+def _census() -> None:
+    when_imported("sglang.srt.managers.scheduler_components.internal_state", census.install)
+
+
 @dataclass(frozen=True, slots=True)
 class Shim:
     """One named CPU shim: what it is for, and how to apply it in this process."""
@@ -139,6 +149,10 @@ SHIMS: dict[str, Shim] = {s.name: s for s in (
          _fake_cuda_capability),
     Shim("transfer_ledger", "transfer managers record their buffers and transfers in a file",
          _transfer_ledger),
+    Shim("census", "/server_info tells what the scheduler holds (pages, rows, queues)",
+         _census),
+    Shim("flip_transport", "kvhandoff transport 'tcp-flip-armed' flips a source byte on "
+         "the wire while its armed file exists (negative controls)", _flip_transport),
 )}
 """Every shim, by name."""
 

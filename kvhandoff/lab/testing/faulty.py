@@ -10,6 +10,7 @@
   *source* (component ``component``) while the write runs and restores it afterwards:
   the bytes on the wire differ from those the sender digested when it planned, as a
   faulty wire or NIC would make them. Works across processes; checksums must catch it.
+  :class:`ArmedSourceFlippingTcp` does so only while a file exists.
 * :class:`FailingTcp` — a tcp transport whose every write to the peers in ``fail_to``
   (their transport endpoints; change the set at any time) fails at once with a
   :class:`~kvhandoff.transport.errors.TransferFailed` naming that peer, while the peer
@@ -26,6 +27,7 @@ as an agent of the default deployment keys its own (the user's default secret; p
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 import time
 
@@ -100,7 +102,7 @@ class CorruptingTcp(TcpTransport):
 
 class SourceFlippingTcp(TcpTransport):
     def __init__(self, *, component: str = "kv", **options: object) -> None:
-        super().__init__(**options)  # type: ignore[arg-type]
+        super().__init__(**_keyed(options))  # type: ignore[arg-type]
         self.component = component
         self.flipped = 0
 
@@ -117,6 +119,22 @@ class SourceFlippingTcp(TcpTransport):
         cell.value ^= 0xFF
         self.flipped += 1
         return h
+
+
+class ArmedSourceFlippingTcp(SourceFlippingTcp):
+    """A :class:`SourceFlippingTcp` that flips only while the file ``armed`` exists, so
+    a test arms it for one request of a long-running server (option ``armed``, e.g. in
+    ``KVHANDOFF_TRANSPORT_OPTIONS``; registered in lab servers as ``tcp-flip-armed`` by
+    the ``flip_transport`` shim)."""
+
+    def __init__(self, *, armed: str, **options: object) -> None:
+        super().__init__(**options)  # type: ignore[arg-type]
+        self.armed = armed
+
+    def submit(self, peer: Peer, plan: Plan, *, notice: bytes | None = None) -> Handle:
+        if os.path.exists(self.armed):
+            return super().submit(peer, plan, notice=notice)
+        return TcpTransport.submit(self, peer, plan, notice=notice)
 
 
 class FailingTcp(TcpTransport):

@@ -1,11 +1,12 @@
 """Pytest fixtures for real SGLang servers (``tests/e2e/test_sglang.py``; lab only).
 
-The servers start once per test session: per model, one colocated reference (started
-first, so its boot overlaps the deployment's), and per (model, transfer backend) one PD
-deployment (prefill + decode + sglang-router, :func:`kvhandoff.lab.sglang.rig.deployment`).
-pytest keeps one parameter of a session fixture alive at a time, so at most three SGLang
-servers and a router run at once. Adding a name to :data:`BACKENDS` adds its rows to
-every test that uses :func:`deployment`.
+The servers start once per test session: per model, one colocated reference and one PD
+deployment (prefill + decode + sglang-router) per transfer backend, all booting at once
+(:func:`kvhandoff.lab.sglang.rig.deployments`; boots are the bulk of the time on a
+small host, and they overlap). pytest keeps one parameter of a session fixture alive at
+a time, so one model's servers run at once (five SGLang servers and two routers).
+Adding a name to :data:`BACKENDS` adds its rows to every test that uses
+:func:`deployment`.
 
 A test module imports the fixtures it uses. Without the SGLang venv they skip, saying
 to run ``make sglang-venv`` (in CI, where ``make test`` builds it, they fail instead).
@@ -26,11 +27,12 @@ from kvhandoff.lab.sglang.client import Answer, stream
 from kvhandoff.lab.sglang.env import sglang_python, venv_hint
 from kvhandoff.lab.sglang.models import END_TO_END, MODELS
 from kvhandoff.lab.sglang.rig import Deployment, Reference
-from kvhandoff.lab.sglang.rig import deployment as start_deployment
+from kvhandoff.lab.sglang.rig import deployments as start_deployments
 from kvhandoff.lab.sglang.rig import reference as start_reference
 
 __all__ = ["BACKENDS", "BOOT_ONLY", "MAX_NEW_TOKENS", "MODEL_NAMES", "PROMPT_LENGTHS",
-           "STATE_TYPES", "Run", "backend", "deployment", "expected_bytes", "model", "prompts",
+           "STATE_TYPES", "Run", "backend", "deployment", "expected_bytes", "model",
+           "model_deployments", "prompts",
            "reference", "reference_tokens", "runs", "sglang_logs", "sglang_or_skip", "shape"]
 
 BACKENDS: list[str] = list(rig.BACKENDS)
@@ -131,12 +133,19 @@ def reference(model: str, sglang_logs: Path) -> Iterator[Reference]:
 
 
 @pytest.fixture(scope="session")
-def deployment(model: str, backend: str, reference: Reference, sglang_logs: Path
-               ) -> Iterator[Deployment]:
-    """A PD deployment of ``model`` over ``backend`` (the reference starts first)."""
-    with start_deployment(model, backend, log_dir=sglang_logs,
-                          python=sglang_or_skip()) as pd:
-        yield pd
+def model_deployments(model: str, reference: Reference, sglang_logs: Path
+                      ) -> Iterator[Mapping[str, Deployment]]:
+    """A PD deployment of ``model`` per backend, booting together (after the reference
+    started, so all boots overlap)."""
+    with start_deployments(model, BACKENDS, log_dir=sglang_logs,
+                           python=sglang_or_skip()) as pds:
+        yield pds
+
+
+@pytest.fixture(scope="session")
+def deployment(model_deployments: Mapping[str, Deployment], backend: str) -> Deployment:
+    """The PD deployment of ``model`` over ``backend``."""
+    return model_deployments[backend]
 
 
 @pytest.fixture(scope="session")

@@ -82,6 +82,7 @@ class Result(msgspec.Struct, frozen=True, kw_only=True):
     metric_bytes: int | None = None  # prefill: get_transfer_metric's bytes
     live: int = -1  # the agent's live requests after the request was cleared
     counted: float = 0.0  # kvhandoff's own metrics: this role's successful requests
+    keyed: bool = False  # prefill: its kvhandoff Sender carried a request key
 
 
 # --- the families: pools and each side's index lists -----------------------------------
@@ -309,9 +310,10 @@ def request_of(case: Case, srcs: list[Any], dst: Any) -> dict[str, Any]:
 # --- the two sides ---------------------------------------------------------------------
 
 SCENARIOS = ("ok", "decode_abort", "prefill_abort", "kill_decode", "kill_prefill",
-             "prefill_silent")
+             "prefill_silent", "foreign_key")
 """What a :class:`Case` does besides a plain handoff: one side aborts, dies (``os._exit``
-once the other side's step is certain) or never sends."""
+once the other side's step is certain) or never sends; or decode claims the request
+with the key of another room (an impostor holding the deployment secret)."""
 
 
 def _wait(poll: Callable[[], int], until: tuple[int, ...], timeout: float) -> int:
@@ -406,7 +408,8 @@ def run_prefill(case: Case, mgr: Any) -> Result:
     metric = sender.get_transfer_metric().transfer_total_bytes
     reason, live = _ended(sender, int(state))
     return Result(role="prefill", tp_rank=case.tp_rank, status=int(state), reason=reason,
-                  metric_bytes=metric, live=live, counted=_counted("prefill"))
+                  metric_bytes=metric, live=live, counted=_counted("prefill"),
+                  keyed=sender.kvh.key is not None)
 
 
 def _step(case: Case, sender: Any) -> None:
@@ -433,6 +436,9 @@ def run_decode(case: Case, mgr: Any) -> Result:
     deadline = time.monotonic() + case.timeout
     while not mgr.try_ensure_parallel_info(addr) and time.monotonic() < deadline:
         time.sleep(0.2)
+    if case.scenario == "foreign_key":  # derive the key of the next room, not this one's
+        own = mgr.request_key
+        mgr.request_key = lambda room: own(room + 1)
     receiver = _class("RECEIVER")(mgr, addr, case.room)
     receiver.init(0)
     state = _wait(receiver.poll, (KVPoll.WaitingForInput, KVPoll.Failed), case.timeout)
