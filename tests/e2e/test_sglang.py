@@ -1,8 +1,10 @@
 """Real SGLang 0.5.23 servers on this CPU (``.venv-sglang``), PD disaggregation end to end.
 
 Per model (Llama: plain KV; Mellum: the hybrid SWA pool, prompts longer than its window;
-DeepSeek-V2: the MLA latent pool) and per transfer backend (:data:`BACKENDS`), a prefill
-and a decode server behind sglang-router serve every prompt (5 to 1500 tokens):
+DeepSeek-V2: the MLA latent pool) over kvhandoff's backend, and Llama also over SGLang's
+own ``mooncake_tcp`` as the rig's control (:func:`~kvhandoff.lab.testing.sglang.backends_for`;
+``tests/e2e/conftest.py`` deselects the other rows), a prefill and a decode server behind
+sglang-router serve every prompt (5 to 1500 tokens):
 
 * decode's greedy tokens equal the colocated server's, token for token;
 * prefill sent exactly the bytes the model's sizes call for, per component (SGLang's own
@@ -12,8 +14,8 @@ and a decode server behind sglang-router serve every prompt (5 to 1500 tokens):
   (the negative control: decode's tokens come from the transferred state alone);
 * both sides registered the same pools, with the model's state types.
 
-NemotronH (Mamba2) and DeepSeek-V3.2 (DSA) boot in both roles and register ``mamba`` and
-``dsa`` state; how SGLang reads ``SGLANG_PLUGINS`` is pinned.
+NemotronH (Mamba2) and DeepSeek-V3.2 (DSA) boot in both roles over kvhandoff's backend and
+register ``mamba`` and ``dsa`` state; how SGLang reads ``SGLANG_PLUGINS`` is pinned.
 
 The servers start once per session, one model's at a time, all of a model's at once
 (:mod:`kvhandoff.lab.testing.sglang`). ``make test``
@@ -36,7 +38,6 @@ from kvhandoff.lab.sglang.client import generate, stream
 from kvhandoff.lab.sglang.env import lab_env
 from kvhandoff.lab.sglang.rig import Deployment, Reference, all_running, make_pair
 from kvhandoff.lab.testing.sglang import (
-    BACKENDS,
     BOOT_ONLY,
     MAX_NEW_TOKENS,
     STATE_TYPES,
@@ -119,11 +120,11 @@ def test_both_sides_register_the_same_pools(deployment: Deployment, model: str) 
     assert p.page_size == 1 and sum(p.kv_item_lens) == expected_bytes(model, 1)["kv"]
 
 
-@pytest.mark.parametrize("backend_name", BACKENDS)
+@pytest.mark.parametrize("backend_name", ["kvhandoff"])
 def test_boot_only_models_start_in_both_roles(backend_name: str, tmp_path: Path) -> None:
     """NemotronH (Mamba2) and DeepSeek-V3.2 (DSA) cannot run a forward pass on CPU, but
-    their prefill and decode servers start, build their pools and register the state
-    components a transfer backend must carry: what the pool tests build on."""
+    their prefill and decode servers start over kvhandoff's backend, build their pools and
+    register the state components it must carry: what the pool tests build on."""
     py = sglang_or_skip()
     pairs = [make_pair(m, backend_name, log_dir=tmp_path / m, python=py) for m in BOOT_ONLY]
     with all_running([s for pair in pairs for s in (pair.prefill, pair.decode)], 600):

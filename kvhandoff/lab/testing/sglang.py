@@ -30,14 +30,58 @@ from kvhandoff.lab.sglang.rig import Deployment, Reference
 from kvhandoff.lab.sglang.rig import deployments as start_deployments
 from kvhandoff.lab.sglang.rig import reference as start_reference
 
-__all__ = ["BACKENDS", "BOOT_ONLY", "MAX_NEW_TOKENS", "MODEL_NAMES", "PROMPT_LENGTHS",
-           "STATE_TYPES", "Run", "backend", "deployment", "expected_bytes", "model",
-           "model_deployments", "prompts",
-           "reference", "reference_tokens", "runs", "sglang_logs", "sglang_or_skip", "shape"]
+__all__ = [
+    "BACKENDS",
+    "BOOT_ONLY",
+    "CONTROL",
+    "MAX_NEW_TOKENS",
+    "MODEL_NAMES",
+    "PROMPT_LENGTHS",
+    "STATE_TYPES",
+    "Run",
+    "backend",
+    "backends_for",
+    "deployment",
+    "deselect_uncovered",
+    "expected_bytes",
+    "model",
+    "model_deployments",
+    "prompts",
+    "reference",
+    "reference_tokens",
+    "runs",
+    "sglang_logs",
+    "sglang_or_skip",
+    "shape",
+]
 
 BACKENDS: list[str] = list(rig.BACKENDS)
 """The transfer backends every PD row runs over (:data:`kvhandoff.lab.sglang.rig.BACKENDS`:
 the kvhandoff backend joins there)."""
+
+CONTROL = ("llama", "mooncake_tcp")
+"""SGLang's own backend runs one model, the rig's control (the same prompts, tokens and byte
+counts as kvhandoff's rows prove the rig itself right); kvhandoff runs every model."""
+
+
+def backends_for(model: str) -> list[str]:
+    """The backends ``model``'s deployments run over (see :data:`CONTROL`)."""
+    return [b for b in BACKENDS if b == "kvhandoff" or (model, b) == CONTROL]
+
+
+def deselect_uncovered(items: list[pytest.Item]) -> tuple[list[pytest.Item], list[pytest.Item]]:
+    """(kept, deselected) of ``items``: a row whose (model, backend) has no deployment
+    (:func:`backends_for`) is deselected, not skipped — it is not part of the suite."""
+    kept: list[pytest.Item] = []
+    dropped: list[pytest.Item] = []
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        model_, backend_ = params.get("model"), params.get("backend")
+        uncovered = (model_ is not None and backend_ is not None
+                     and backend_ not in backends_for(str(model_)))
+        (dropped if uncovered else kept).append(item)
+    return kept, dropped
+
 
 MODEL_NAMES: list[str] = list(END_TO_END)
 """The tiny models SGLang can generate with on CPU: Llama (MHA), Mellum (SWA), DeepSeek-V2 (MLA)."""
@@ -137,7 +181,7 @@ def model_deployments(model: str, reference: Reference, sglang_logs: Path
                       ) -> Iterator[Mapping[str, Deployment]]:
     """A PD deployment of ``model`` per backend, booting together (after the reference
     started, so all boots overlap)."""
-    with start_deployments(model, BACKENDS, log_dir=sglang_logs,
+    with start_deployments(model, backends_for(model), log_dir=sglang_logs,
                            python=sglang_or_skip()) as pds:
         yield pds
 
