@@ -293,8 +293,8 @@ def test_a_decode_request_aborted_mid_load_frees_its_blocks(pair: Pair) -> None:
 
 
 def _lease_expiries(pair: Pair) -> float:
-    return _metric(pair.prefill, "kvhandoff:handoffs_total", role="prefill",
-                   outcome="LeaseExpired")
+    return _metric(pair.prefill, "kvhandoff_failures_total", role="prefill",
+                   reason="LeaseExpired")
 
 
 def test_a_request_whose_decode_hop_never_comes_is_freed_on_the_lease(pair: Pair) -> None:
