@@ -5,8 +5,9 @@ colocated SGLang server (the reference) and, per transfer backend (``--backend``
 list in :data:`~kvhandoff.lab.sglang.rig.BACKENDS`), a prefill and a decode server
 behind sglang-router (:func:`~kvhandoff.lab.sglang.rig.deployment`). Every prompt length
 (``--tokens``) is sent ``--repeat`` times, each time a different prompt of that length
-(no trial hits an earlier one's prefix cache), streaming: once to the reference, once
-through the router. One row per model, backend and length shows:
+(no trial hits an earlier one's prefix cache), streaming: once to the reference (its
+answers serve every backend's row), once through the router. One row per model, backend
+and length shows:
 
 * **bytes per component**: SGLang's own accounting inside prefill's sender (KV pages ×
   per-page bytes of every KV buffer; state slots × slot bytes per state type; the aux
@@ -44,7 +45,7 @@ from pathlib import Path
 from types import FrameType
 
 from kvhandoff.lab.servers import print_progress
-from kvhandoff.lab.sglang.client import stream
+from kvhandoff.lab.sglang.client import Answer, stream
 from kvhandoff.lab.sglang.env import sglang_python, venv_hint
 from kvhandoff.lab.sglang.models import END_TO_END, MODELS
 from kvhandoff.lab.sglang.rig import BACKENDS, Deployment, deployment, reference
@@ -86,9 +87,9 @@ def _median_ms(values: Sequence[float | None]) -> float | None:
     return 1e3 * statistics.median(known) if len(known) == len(values) and known else None
 
 
-def _measure(pd: Deployment, ref_url: str, length: int, prompts: Sequence[tuple[int, ...]],
-             max_new_tokens: int) -> Row:
-    ref = [stream(ref_url, p, max_new_tokens=max_new_tokens) for p in prompts]
+def _measure(pd: Deployment, ref: Sequence[Answer], length: int,
+             prompts: Sequence[tuple[int, ...]], max_new_tokens: int) -> Row:
+    """One row: ``prompts`` through ``pd``, against the reference's answers ``ref``."""
     got = [pd.send(p, max_new_tokens=max_new_tokens) for p in prompts]
     first = got[0][1]
     return Row(model=pd.model, backend=pd.backend, prompt_tokens=length,
@@ -106,14 +107,21 @@ def run_model(model: str, backends: Sequence[str], lengths: Sequence[int], *, re
     """Every row of one model: the reference boots alongside the first deployment."""
     vocab = int(MODELS[model].sizes["vocab_size"])
     rows = []
+    # The reference answers each prompt once, for every backend's row: asked again, it
+    # would serve the prompt from its prefix cache, where SGLang's CPU SWA decode (Mellum)
+    # fails with an IndexError in torch_native's decode, a colocated bug of its own.
+    answers: dict[int, list[Answer]] = {}
     with reference(model, log_dir=log_dir, progress=print_progress(f"{model} colocated")) as ref:
         for backend in backends:
             progress = print_progress(f"{model} {backend}")
             with deployment(model, backend, log_dir=log_dir, progress=progress) as pd:
                 url = ref.ready().url
                 for n in lengths:
-                    rows.append(_measure(pd, url, n, trial_prompts(n, repeat, vocab),
-                                         max_new_tokens))
+                    prompts = trial_prompts(n, repeat, vocab)
+                    if n not in answers:
+                        answers[n] = [stream(url, p, max_new_tokens=max_new_tokens)
+                                      for p in prompts]
+                    rows.append(_measure(pd, answers[n], n, prompts, max_new_tokens))
                     print(format_rows(rows[-1:], header=False), flush=True)
     return rows
 
