@@ -166,10 +166,9 @@ def test_a_decode_without_the_rooms_key_gets_nothing(tmp_path: Path) -> None:
     assert decode.live == 0 and prefill.live == 0, got
 
 
+# decode's abort and a killed decode run through real servers in test_sglang_faults.py
 @pytest.mark.parametrize(("scenario", "failed", "dead", "words", "decode_env"), [
-    ("decode_abort", "prefill", None, "abort", {}),
     ("prefill_abort", "decode", None, "abort", {}),
-    ("kill_decode", "prefill", "decode", "", {}),
     ("kill_prefill", "decode", "prefill", "", {}),
     ("prefill_silent", "decode", None, "waiting_timeout", {"KVHANDOFF_WAITING_TIMEOUT": "4"}),
 ])
