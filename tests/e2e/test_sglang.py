@@ -17,8 +17,10 @@ sglang-router serve every prompt (5 to 1500 tokens):
 NemotronH (Mamba2) and DeepSeek-V3.2 (DSA) boot in both roles over kvhandoff's backend and
 register ``mamba`` and ``dsa`` state; how SGLang reads ``SGLANG_PLUGINS`` is pinned.
 
-The servers start once per session, one model's at a time, all of a model's at once
-(:mod:`kvhandoff.lab.testing.sglang`). ``make test``
+The servers start once per run of this module, one model's at a time, all of a model's at
+once (:mod:`kvhandoff.lab.testing.sglang`), and the last model's stop when the module ends:
+idle, SGLang's CPU schedulers spin at about half a core each, which would slow every later
+test of the session. ``make test``
 builds ``.venv-sglang`` first; elsewhere these tests skip, saying how to build it.
 """
 

@@ -153,30 +153,30 @@ class Run:
     entry: ledger.Transfer
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def sglang_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Where every server of the session logs (kept for failures)."""
     return tmp_path_factory.mktemp("sglang-logs")
 
 
-@pytest.fixture(scope="session", params=MODEL_NAMES)
+@pytest.fixture(scope="module", params=MODEL_NAMES)
 def model(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-@pytest.fixture(scope="session", params=BACKENDS)
+@pytest.fixture(scope="module", params=BACKENDS)
 def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def reference(model: str, sglang_logs: Path) -> Iterator[Reference]:
     """The colocated server of ``model``, started (not yet waited for)."""
     with start_reference(model, log_dir=sglang_logs, python=sglang_or_skip()) as ref:
         yield ref
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def model_deployments(model: str, reference: Reference, sglang_logs: Path
                       ) -> Iterator[Mapping[str, Deployment]]:
     """A PD deployment of ``model`` per backend, booting together (after the reference
@@ -186,13 +186,13 @@ def model_deployments(model: str, reference: Reference, sglang_logs: Path
         yield pds
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def deployment(model_deployments: Mapping[str, Deployment], backend: str) -> Deployment:
     """The PD deployment of ``model`` over ``backend``."""
     return model_deployments[backend]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def reference_tokens(reference: Reference) -> Mapping[str, tuple[int, ...]]:
     """The colocated server's greedy tokens for every prompt."""
     url = reference.ready().url
@@ -200,7 +200,7 @@ def reference_tokens(reference: Reference) -> Mapping[str, tuple[int, ...]]:
             for name, ids in prompts().items()}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def runs(deployment: Deployment) -> list[Run]:
     """Every prompt through the deployment's router, one at a time."""
     out = []
