@@ -34,6 +34,7 @@ import pytest
 
 from kvhandoff.binding import RequestKey
 from kvhandoff.lab.testing.fixtures import vllm_or_skip
+from kvhandoff.lab.vllm.demo import DUMP_HOOK
 from kvhandoff.lab.vllm.serve import VllmServer, free_ports, get_text, post_json
 
 pytestmark = pytest.mark.vllm
@@ -53,10 +54,12 @@ class Trio:
 
 
 
-def _kv(role: str, bootstrap: str) -> dict[str, object]:
+def _kv(role: str, bootstrap: str, dump: Path) -> dict[str, object]:
+    """The connector's config; its test hook records what each handoff moved in ``dump``."""
     return {"kv_connector": "KvhandoffConnector",
             "kv_connector_module_path": "kvhandoff.integrations.vllm", "kv_role": role,
-            "kv_connector_extra_config": {"bootstrap": bootstrap}}
+            "kv_connector_extra_config": {"bootstrap": bootstrap, "hook": DUMP_HOOK,
+                                          "hook_config": {"path": str(dump)}}}
 
 
 @pytest.fixture(scope="module", params=["default", "insecure"])
@@ -80,14 +83,12 @@ def trio(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
            "KVHANDOFF_RELEASE_TIMEOUT": "10"}
     servers = {
         "prefill": VllmServer(model, pp, log_path=root / "prefill.log",
-                              kv_transfer_config=_kv("kv_producer", url),
-                              env={**env, "KVHANDOFF_VLLM_DUMP": str(dumps["prefill"]),
-                                   "KVHANDOFF_METRICS_PORT": str(mp),
+                              kv_transfer_config=_kv("kv_producer", url, dumps["prefill"]),
+                              env={**env, "KVHANDOFF_METRICS_PORT": str(mp),
                                    "VLLM_CPU_OMP_THREADS_BIND": "0"}),
         **{name: VllmServer(model, port, log_path=root / f"{name}.log",
-                            kv_transfer_config=_kv("kv_consumer", url),
-                            env={**env, "KVHANDOFF_VLLM_DUMP": str(dumps[name]),
-                                 "VLLM_CPU_OMP_THREADS_BIND": "1"})
+                            kv_transfer_config=_kv("kv_consumer", url, dumps[name]),
+                            env={**env, "VLLM_CPU_OMP_THREADS_BIND": "1"})
            for name, port in (("decode", dp), ("rogue", rp))}}
     try:
         for s in servers.values():
