@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hst
 
 from kvhandoff.integrations.vllm import host_staging
-from kvhandoff.integrations.vllm.block_copy import StagingPath, runs
+from kvhandoff.integrations.vllm.block_copy import StagingPath, runs, words
 from kvhandoff.integrations.vllm.host_staging import (
     HostStaging,
     StagingError,
@@ -234,6 +234,22 @@ def test_random_block_lists_move_byte_exact_or_are_refused(
         move(blocks)
     assert str(out or dup)[1:-1] in str(e.value)
     assert torch.equal(_bytes(dst["raw"]), before)
+
+
+def test_views_are_copied_as_the_widest_words_their_layout_allows() -> None:
+    """Same bytes, same blocks; 8-byte words where the rows, offset and strides allow,
+    else the element width (never across the block dimension)."""
+    pool = _pool(True)
+    for name, t in _hybrid(pool).items():
+        w = words(t, DIMS.get(name, 0))
+        assert w.element_size() == 8 and w.data_ptr() == t.data_ptr(), name
+        assert w.shape[:-1] == t.shape[:-1]
+    odd = torch.empty(0, dtype=torch.bfloat16).set_(pool.untyped_storage(), 3, (NB, 5),
+                                                     (PAGE // 2, 1))
+    assert words(odd, 0).dtype == torch.int16  # 10-byte rows: no wider word fits
+    last = pool.view(torch.float32).view(-1, NB)
+    assert words(last, 1).dtype == torch.int32  # the block dimension is the last one
+    assert words(last, 1).shape == last.shape
 
 
 def test_the_packing_buffer_grows_to_the_largest_request_and_is_reused() -> None:
