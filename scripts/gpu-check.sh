@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The CUDA paths, on a machine with an NVIDIA GPU and a CUDA build of torch (make gpu-check):
-# pinned host staging (vLLM's GPU cache over tcp/shm) on both copy paths (blocks: one copy
-# per run of blocks; packed: gathered on the GPU, one contiguous copy), byte-exact against
-# a per-block oracle (hypothesis); staged and NIXL device-to-device handoffs through the
-# real session; GPU memory through the engines' transports; then the GPU staging benchmark
-# (both paths against one contiguous copy of the same bytes; goal <= 1.5x). Everywhere
-# else these tests are skipped, naming why.
+# pinned host staging (vLLM's GPU cache over tcp/shm) on its three copy paths (blocks: one
+# copy per run of blocks; packed: gathered on the GPU, one contiguous copy; mapped: the GPU
+# writes the pinned mirror itself), byte-exact against a per-block oracle (hypothesis);
+# staged and NIXL device-to-device handoffs through the real session; GPU memory through
+# the engines' transports; then the GPU staging benchmark (each path against one
+# contiguous copy of the same bytes; goal <= 1.5x). Everywhere else these tests are
+# skipped, naming why.
 #   PYTHON    the interpreter (default: python3)
 #   OUT       where the benchmark's JSON and plot go (default: .)
 #   WHEELS    a folder of wheels to install first, without an index (for hosts offline)

@@ -243,15 +243,18 @@ def test_a_staged_handoff_lands_byte_exact_in_the_device_tensors(
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=NEEDS_CUDA)])
-@pytest.mark.parametrize("transport", ["tcp", "shm"])
-def test_a_packed_staged_handoff_lands_byte_exact_in_the_device_tensors(
-        transport: str, device: str) -> None:
-    """The same handoff with the ``packed`` staging path (gathered on the device, one
-    contiguous copy per layer, placed in the mirror; the reverse on decode)."""
-    with _sides(transport, device, path=StagingPath.PACKED) as (p, d, url):
+@pytest.mark.parametrize(("transport", "path"), [
+    ("tcp", StagingPath.PACKED), ("shm", StagingPath.PACKED), ("tcp", StagingPath.MAPPED)])
+def test_a_packed_or_mapped_staged_handoff_lands_byte_exact_in_the_device_tensors(
+        transport: str, path: StagingPath, device: str) -> None:
+    """The same handoff on the other staging paths: ``packed`` (gathered on the device,
+    one contiguous copy per layer, placed in the mirror; the reverse on decode) and
+    ``mapped`` (the device writes and reads the mirror itself; tcp's mirrors are
+    torch's, which it needs)."""
+    with _sides(transport, device, path=path) as (p, d, url):
         for side in (p, d):
             assert isinstance(side.worker.staging, HostStaging)
-            assert side.worker.staging.path is StagingPath.PACKED
+            assert side.worker.staging.path is path
         _staged_handoff(p, d, url)
 
 

@@ -263,11 +263,28 @@ def test_the_packing_buffer_grows_to_the_largest_request_and_is_reused() -> None
     assert st.nbytes - mirrors == grown
 
 
+@pytest.mark.skipif(not CUDA, reason="no CUDA device here (make gpu-check runs these on a GPU)")
+def test_the_mapped_path_maps_a_mirror_torch_pinned_and_refuses_others() -> None:
+    """The device addresses the mirror itself (same bytes, same address); a mirror in a
+    transport's memory or a pageable one is refused at start-up, naming the layer."""
+    dev = _views(_pool(True, device="cuda"))
+    st = HostStaging(dev, GROUPS, block_dims=DIMS, path=StagingPath.MAPPED)
+    for s in st._layers.values():
+        assert s.mapped is not None and s.mapped.is_cuda
+        assert s.mapped.data_ptr() == s.host.data_ptr()
+    with pytest.raises(StagingError, match=r"layer 'raw': staging path 'mapped' needs a mirror "
+                                           r"torch page-locks .* is pageable"):
+        HostStaging(dev, GROUPS, block_dims=DIMS, pin=False, path=StagingPath.MAPPED)
+    with pytest.raises(StagingError, match="is in the transport's memory"):
+        HostStaging(dev, GROUPS, block_dims=DIMS, path=StagingPath.MAPPED,
+                    allocate=_from([np.zeros(NB * PAGE, np.uint8)]))
+
+
 def test_the_staging_path_option_names_one_path() -> None:
     assert staging_path({}) is StagingPath.BLOCKS
     assert staging_path({"staging_path": "packed"}) is StagingPath.PACKED
     with pytest.raises(StagingError, match=r"staging path 'fast' is not one of "
-                                           r"\['blocks', 'packed'\]"):
+                                           r"\['blocks', 'packed', 'mapped'\]"):
         staging_path({"staging_path": "fast"})
     with pytest.raises(StagingError, match=r"staging_path must be one of .*, got 1"):
         staging_path({"staging_path": 1})

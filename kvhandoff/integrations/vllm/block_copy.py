@@ -4,6 +4,10 @@
 * :attr:`StagingPath.BLOCKS`: one ``copy_`` per run of consecutive block ids, per layer
   view. Measured on an H100 at 4–7.6× one contiguous copy of the same bytes: the time
   goes to one copy call (and one DMA set-up) per run.
+* :attr:`StagingPath.MAPPED`: per layer view, one gather and one scatter kernel on the
+  device, which reads and writes the page-locked mirror itself through its device
+  mapping (CUDA maps page-locked host memory into the device's address space): the
+  blocks cross PCIe once, in the kernel's own accesses, and no host copy happens.
 * :attr:`StagingPath.PACKED`: per layer view, one device ``index_select`` packs the
   request's blocks into a contiguous device buffer, one ``copy_`` moves that buffer to
   contiguous pinned host memory, and one host ``index_copy_`` places it in the mirror;
@@ -46,6 +50,7 @@ class StagingPath(enum.StrEnum):
 
     BLOCKS = "blocks"  # one copy per run of consecutive blocks (the measured default)
     PACKED = "packed"  # gather on the device, one contiguous copy, place on the host
+    MAPPED = "mapped"  # the device reads and writes the page-locked mirror itself
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +61,7 @@ class StagedTensor:
     device: torch.Tensor
     host: torch.Tensor
     dim: int  # the block dimension
+    mapped: torch.Tensor | None = None  # ``host`` as the device addresses it (``mapped``)
 
     @property
     def num_blocks(self) -> int:
@@ -102,6 +108,47 @@ def copy_runs(batch: Batch, *, to_host: bool) -> None:
             for first, count in spans:
                 dst.narrow(s.dim, first, count).copy_(src.narrow(s.dim, first, count),
                                                       non_blocking=True)
+
+
+def copy_mapped(batch: Batch, *, to_host: bool) -> None:
+    """The ``mapped`` path: per view, one gather and one scatter kernel, the device
+    reading or writing the mirror through its mapping (:func:`device_alias`), queued on
+    the current stream (the caller synchronises; after that, the host sees every write).
+    No host copy at all: the mirror is written in place."""
+    for views, ids in batch:
+        on_device: dict[torch.device, torch.Tensor] = {}
+        for s in views:
+            assert s.mapped is not None, "HostStaging maps each mirror on this path"
+            dev = s.device.device
+            idx = on_device.setdefault(dev, torch.from_numpy(ids).to(dev))
+            src, dst = (s.device, s.mapped) if to_host else (s.mapped, s.device)
+            words(dst, s.dim).index_copy_(s.dim, idx, words(src, s.dim).index_select(s.dim, idx))
+
+
+class _HostArray:
+    """``nbytes`` of page-locked host memory at ``ptr``, offered to torch as device
+    memory (``__cuda_array_interface__``)."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
+                                         "data": (ptr, False), "version": 3}
+
+
+def device_alias(storage: torch.UntypedStorage, device: torch.device) -> torch.UntypedStorage:
+    """``storage`` (host memory) as ``device`` addresses it: itself off CUDA; on CUDA, a
+    CUDA storage over the same bytes, which needs memory torch page-locked (with unified
+    addressing, CUDA maps such memory into every device's address space at the same
+    address). Raises ``ValueError`` where torch would not alias it (a copy would
+    silently break the path)."""
+    if device.type != "cuda":
+        return storage
+    ptr, nbytes = storage.data_ptr(), storage.nbytes()
+    alias = torch.as_tensor(_HostArray(ptr, nbytes), device=device).untyped_storage()
+    if alias.data_ptr() != ptr or alias.device != device:
+        raise ValueError(f"the {nbytes} B mirror at {ptr:#x} cannot be mapped into {device}'s "
+                         f"address space (torch gave {alias.device} memory at "
+                         f"{alias.data_ptr():#x})")
+    return alias
 
 
 def _when_copied(device: torch.device) -> Callable[[], None]:

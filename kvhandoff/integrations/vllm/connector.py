@@ -30,8 +30,9 @@ progress as kvhandoff drives it (no target progress), and torch's device copies 
 in a process whose NIXL agent had loaded UCX's CUDA modules (README, "GPU memory").
 ``host_staging: true`` forces the mirror for CPU tensors too (how the path is tested
 without a GPU). ``staging_path`` picks how a mirror's copies run: ``blocks`` (default, one
-copy per run of blocks) or ``packed`` (one device gather, one contiguous copy, one host
-placement per layer; not yet run on a GPU, see docs/gpu.md).
+copy per run of blocks), ``packed`` (one device gather, one contiguous copy, one host
+placement per layer) or ``mapped`` (the GPU reads and writes the pinned mirror itself;
+tcp and cma only); the last two have not yet run on a GPU (docs/gpu.md).
 """
 
 from __future__ import annotations

@@ -56,7 +56,9 @@ from kvhandoff.integrations.vllm.block_copy import (
     Packer,
     StagedTensor,
     StagingPath,
+    copy_mapped,
     copy_runs,
+    device_alias,
 )
 from kvhandoff.integrations.vllm.layout import TensorInfo
 from kvhandoff.layout import MemoryKind
@@ -142,7 +144,8 @@ def tensor_info(t: torch.Tensor) -> TensorInfo:
 
 def mirror_view(t: torch.Tensor, storage: torch.UntypedStorage) -> torch.Tensor:
     """``t``'s view (dtype, storage offset, shape, strides) over ``storage`` instead."""
-    return torch.empty(0, dtype=t.dtype).set_(storage, t.storage_offset(), t.shape, t.stride())
+    return torch.empty(0, dtype=t.dtype, device=storage.device).set_(
+        storage, t.storage_offset(), t.shape, t.stride())
 
 
 class HostStaging:
@@ -151,8 +154,9 @@ class HostStaging:
     per distinct storage. ``block_dims`` names a layer's block dimension where it is not
     0; ``pin`` defaults to whether CUDA is available (pinning needs it); ``allocate``
     supplies the host memory (a transport's), else torch does; ``path`` picks how blocks
-    cross (:class:`~.block_copy.StagingPath`: per run of blocks, the default, or packed
-    on the device first). The mirror's layout is the same on either path."""
+    cross (:class:`~.block_copy.StagingPath`: per run of blocks, the default; packed on
+    the device first; or mapped, the device writing the mirror itself, which needs a
+    mirror torch pinned). The mirror's layout is the same on every path."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], groups: Sequence[Sequence[str]],
                  *, block_dims: Mapping[str, int] | None = None, pin: bool | None = None,
@@ -191,7 +195,24 @@ class HostStaging:
             self._storages[key] = st
             if registered:
                 self._registered.append(st.data_ptr())
-        return StagedTensor(name, t, mirror_view(t, st), dim)
+        mapped = None
+        if self.path is StagingPath.MAPPED:
+            mapped = mirror_view(t, self._mapped(name, t, st))
+        return StagedTensor(name, t, mirror_view(t, st), dim, mapped)
+
+    def _mapped(self, name: str, t: torch.Tensor, st: torch.UntypedStorage
+                ) -> torch.UntypedStorage:
+        """``st`` as ``t``'s device addresses it, for the ``mapped`` path: on CUDA only
+        a mirror torch page-locked (not one in a transport's memory, nor a pageable one)."""
+        if t.device.type == "cuda" and (self._allocate is not None or not self.pinned):
+            where = "in the transport's memory" if self._allocate else "pageable"
+            raise StagingError(f"layer {name!r}: staging path 'mapped' needs a mirror torch "
+                               f"page-locks (transports tcp, cma), and this one is {where}; "
+                               f"use 'packed' or 'blocks'")
+        try:
+            return device_alias(st, t.device)
+        except ValueError as e:
+            raise StagingError(f"layer {name!r}: staging path 'mapped': {e}") from None
 
     @property
     def mirrors(self) -> dict[str, torch.Tensor]:
@@ -248,7 +269,9 @@ class HostStaging:
         ids = self._check(blocks)
         batch = [([self._layers[name] for name in names], arr)
                  for names, arr in zip(self.groups, ids, strict=True) if arr.size]
-        if self._packer is None:
+        if self.path is StagingPath.MAPPED:
+            copy_mapped(batch, to_host=to_host)
+        elif self._packer is None:
             copy_runs(batch, to_host=to_host)
         elif to_host:
             self._packer.to_host(batch)
