@@ -1,36 +1,37 @@
 """How a request's blocks move between vLLM's tensors and their host mirrors
-(:mod:`.host_staging`): two interchangeable paths behind one contract. Torch, no vLLM.
+(:mod:`.host_staging`): three interchangeable paths behind one contract. Torch, no vLLM.
 
 * :attr:`StagingPath.BLOCKS`: one ``copy_`` per run of consecutive block ids, per layer
   view. Measured on an H100 at 4–7.6× one contiguous copy of the same bytes: the time
   goes to one copy call (and one DMA set-up) per run.
+* :attr:`StagingPath.PACKED`: per layer view, one device ``index_select`` packs the
+  request's blocks into a contiguous device buffer, one ``copy_`` moves that buffer to
+  contiguous pinned host memory, and one numpy assignment places it in the mirror;
+  decode does the reverse (host ``index_select`` straight into pinned memory, one copy
+  up, one device ``index_copy_``). Three calls per view whatever the number of blocks,
+  but one more host copy of the bytes.
 * :attr:`StagingPath.MAPPED`: per layer view, one gather and one scatter kernel on the
   device, which reads and writes the page-locked mirror itself through its device
   mapping (CUDA maps page-locked host memory into the device's address space): the
   blocks cross PCIe once, in the kernel's own accesses, and no host copy happens.
-* :attr:`StagingPath.PACKED`: per layer view, one device ``index_select`` packs the
-  request's blocks into a contiguous device buffer, one ``copy_`` moves that buffer to
-  contiguous pinned host memory, and one host ``index_copy_`` places it in the mirror;
-  decode does the reverse (host ``index_select`` straight into pinned memory, one copy
-  up, one device ``index_copy_``). Three calls per view whatever the number of blocks.
 
-Both paths copy *through the views*, so a block moves exactly the bytes its view covers
-(the K and V halves of an attention block, the useful part of a padded Mamba page) and
-nothing else; both leave the mirror laid out as the device tensors are, so the layout the
-transport registers (base pointer, item stride, page padding) does not depend on the
-path. Why the mirror stays what the transport reads: a packed area registered instead
-would change the item addressing the peer plans against (and with it the handshake's
-layout signature), so a staged side could no longer pair with a side registering its
-tensors in place.
+Every path copies *through the views*, so a block moves exactly the bytes its view
+covers (the K and V halves of an attention block, the useful part of a padded Mamba
+page) and nothing else, and leaves the mirror laid out as the device tensors are, so the
+layout the transport registers (base pointer, item stride, page padding) does not
+depend on the path. Why the mirror stays what the transport reads: a packed area
+registered instead would change the item addressing the peer plans against (and with
+it the handshake's layout signature), so a staged side could no longer pair with a side
+registering its tensors in place.
 
 Overlap (packed): prefill queues every view's pack and device → host copy on the current
 stream first, each followed by an event, then places each view on the host as soon as
 its event fires, while the later views are still crossing; decode gathers view *i + 1*
 on the host while view *i* crosses. One synchronisation ends each call.
 
-The packed path copies the views as integers, as wide as their layout allows
+``packed`` and ``mapped`` copy the views as integers, as wide as their layout allows
 (:func:`words`): bit-exact, and the index kernels move one element per step. Block ids
-must already be checked (distinct, in range): :meth:`.host_staging.HostStaging._check` does so.
+must already be checked (distinct, in range): ``HostStaging`` does so.
 """
 
 from __future__ import annotations
@@ -163,9 +164,9 @@ def _when_copied(device: torch.device) -> Callable[[], None]:
 
 class Packer:
     """The ``packed`` path's state: a reusable pinned (when ``pin``) host buffer, grown
-    to the largest request seen (doubling, since pinning costs a driver call), and each
-    group's ids as index tensors per device. Not thread-safe: one worker's step thread
-    drives its staging."""
+    to the largest request seen (doubling, since pinning costs a driver call). Not
+    thread-safe: one worker's step thread drives its staging, and each call returns
+    only once the buffer is free again."""
 
     def __init__(self, *, pin: bool) -> None:
         self._pin = pin

@@ -17,7 +17,12 @@ layer's mirror view with the very offset, shape and strides of the device view, 
 layout built from the mirrors (base pointer, item stride, page padding) is the device
 layout shifted to host memory. Copies go through those views along the block dimension,
 so a block moves exactly the bytes its view covers in that group (K and V halves, the
-useful part of a padded Mamba page), and no other block is touched.
+useful part of a padded Mamba page), and no other block is touched. How they run is the
+staging path (:mod:`.block_copy`): ``blocks`` (one copy per run of blocks, the default
+and the path measured on an H100), ``packed`` (gathered on the device, one contiguous
+copy, placed on the host) or ``mapped`` (the device reads and writes the pinned mirror
+itself); the last two have not yet run on a GPU. Block lists are checked first: an id
+outside a layer's blocks or an id listed twice is refused before anything moves.
 
 :func:`kv_memory` decides, per worker, what kvhandoff registers: vLLM's tensors, the
 same as device memory (nixl, mooncake), or a mirror. A decode worker on a transport
@@ -28,10 +33,13 @@ The CUDA path (pinning, the device copies, the stream synchronisation) runs on a
 ``make gpu-check`` (tested on an H100: staged tcp, shm and nixl handoffs byte-exact in
 decode's GPU memory); ``host_staging`` runs the same code on CPU tensors everywhere else.
 A GPU cache takes the mirror over every transport unless ``gpu_direct`` asks nixl or
-mooncake to register device memory themselves. The mirror is page-locked by torch (tcp)
-or with ``cudaHostRegister`` (shm's arenas); for nixl and mooncake it is left to the
-engine, whose CUDA-aware registration page-locks it and would fail on memory torch had
-locked already ("part or all of the requested memory range is already mapped").
+mooncake to register device memory themselves. That stays opt-in (docs/gpu.md says
+why: torch's device copies failed in a process whose NIXL agent loaded UCX's CUDA
+modules, and host → GPU over NIXL made no progress as kvhandoff drives it). The mirror
+is page-locked by torch (tcp) or with ``cudaHostRegister`` (shm's arenas); for nixl and
+mooncake it is left to the engine, whose CUDA-aware registration page-locks it and would
+fail on memory torch had locked already ("part or all of the requested memory range is
+already mapped").
 """
 
 from __future__ import annotations
