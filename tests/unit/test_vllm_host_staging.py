@@ -173,12 +173,15 @@ def test_out_of_range_block_ids_are_refused_before_any_copy(bad: list[int], way:
 
 def _hybrid(pool: torch.Tensor) -> dict[str, torch.Tensor]:
     """:func:`_views` plus a block-major ``[num_blocks, 2, H, N, C]`` bf16 view of the same
-    storage, given to two layers (vLLM may give several layers one buffer)."""
+    storage, given to two layers (vLLM may give several layers one buffer), and a bf16
+    ``[num_blocks, 5]`` view 6 bytes into each page (10-byte rows: no wider word fits)."""
     paged = pool.view(torch.bfloat16).view(NB, 2, H, N, C)
-    return {**_views(pool), "paged": paged, "shared": paged}
+    tail = torch.empty(0, dtype=torch.bfloat16, device=pool.device).set_(
+        pool.untyped_storage(), 3, (NB, 5), (PAGE // 2, 1))
+    return {**_views(pool), "tail": tail, "paged": paged, "shared": paged}
 
 
-HYBRID = (("raw",), ("attn",), ("paged", "shared"))
+HYBRID = (("raw",), ("attn",), ("tail", "paged", "shared"))
 
 
 def _oracle(src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor],
@@ -242,11 +245,9 @@ def test_views_are_copied_as_the_widest_words_their_layout_allows() -> None:
     pool = _pool(True)
     for name, t in _hybrid(pool).items():
         w = words(t, DIMS.get(name, 0))
-        assert w.element_size() == 8 and w.data_ptr() == t.data_ptr(), name
-        assert w.shape[:-1] == t.shape[:-1]
-    odd = torch.empty(0, dtype=torch.bfloat16).set_(pool.untyped_storage(), 3, (NB, 5),
-                                                     (PAGE // 2, 1))
-    assert words(odd, 0).dtype == torch.int16  # 10-byte rows: no wider word fits
+        assert w.data_ptr() == t.data_ptr() and w.shape[:-1] == t.shape[:-1], name
+        # the tail view's 10-byte rows at byte 6 of each page: no wider word fits
+        assert w.dtype == (torch.int16 if name == "tail" else torch.int64), name
     last = pool.view(torch.float32).view(-1, NB)
     assert words(last, 1).dtype == torch.int32  # the block dimension is the last one
     assert words(last, 1).shape == last.shape

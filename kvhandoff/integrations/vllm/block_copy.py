@@ -73,6 +73,7 @@ Batch = Sequence[tuple[Sequence[StagedTensor], np.ndarray]]
 """What one call moves: per group, its staged views and its checked block ids."""
 
 _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_ALIGN = 64  # bytes: where each view's slice of the packing buffer starts
 
 
 def words(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -186,14 +187,14 @@ class Packer:
                 w = words(s.host, s.dim)
                 shapes.append((w.dtype, (*w.shape[:s.dim], len(ids), *w.shape[s.dim + 1:])))
         sizes = [int(np.prod(shape, dtype=np.int64)) * dt.itemsize for dt, shape in shapes]
-        if sum(sizes) > self._arena.nbytes:
-            grown = max(sum(sizes), 2 * self._arena.nbytes)
+        # each slice starts on a 64-byte boundary: a word view needs its offset aligned
+        starts = np.concatenate(([0], np.cumsum(-(-np.array(sizes, np.int64) // _ALIGN))))
+        starts *= _ALIGN
+        if starts[-1] > self._arena.nbytes:
+            grown = max(int(starts[-1]), 2 * self._arena.nbytes)
             self._arena = torch.empty(grown, dtype=torch.uint8, pin_memory=self._pin)
-        out, off = [], 0
-        for (dt, shape), size in zip(shapes, sizes, strict=True):
-            out.append(self._arena[off:off + size].view(dt).view(shape))
-            off += size
-        return out
+        return [self._arena[int(off):int(off) + size].view(dt).view(shape)
+                for (dt, shape), size, off in zip(shapes, sizes, starts[:-1], strict=True)]
 
     def _views(self, batch: Batch) -> Iterator[tuple[StagedTensor, np.ndarray, torch.Tensor,
                                                      torch.Tensor]]:
