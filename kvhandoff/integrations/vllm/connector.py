@@ -67,7 +67,7 @@ from kvhandoff.integrations import (
 from kvhandoff.integrations.vllm.host_staging import (
     flag,
     kv_memory,
-    staging_path,
+    staging_path_option,
     tensor_info,
 )
 from kvhandoff.integrations.vllm.layout import (
@@ -151,7 +151,7 @@ class KvhandoffConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._aux_rows = int(extra.get("aux_rows", 1024))
         self._host_staging = flag(extra, "host_staging")
         self._gpu_direct = flag(extra, "gpu_direct")
-        self._staging_path = staging_path(extra)
+        self._staging_path = staging_path_option(extra)
         self._extra = extra
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None

@@ -120,7 +120,7 @@ def host_storage(nbytes: int, *, pin: bool, allocate: Allocate | None = None
     return st, not rc
 
 
-def staging_path(extra: Mapping[str, object]) -> StagingPath:
+def staging_path_option(extra: Mapping[str, object]) -> StagingPath:
     """``kv_connector_extra_config.staging_path`` (``blocks`` when absent)."""
     value = extra.get("staging_path", StagingPath.BLOCKS)
     if not isinstance(value, str):
@@ -252,7 +252,7 @@ class HostStaging:
     def _check(self, blocks: Sequence[Sequence[int]]) -> list[np.ndarray]:
         """Each group's block ids as int64, after checking every list against every view
         of its group: in range and distinct (vLLM never hands a block twice; a repeat
-        would be a bug upstream, and a packed scatter of it would race)."""
+        would be a bug upstream, and the device scatters a repeat in no set order)."""
         if len(blocks) != len(self.groups):
             raise StagingError(f"{len(blocks)} block lists for {len(self.groups)} staged "
                                f"groups")
