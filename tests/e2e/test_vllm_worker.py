@@ -21,6 +21,7 @@ import torch
 
 from kvhandoff.bootstrap.server import BootstrapServer
 from kvhandoff.integrations import AuxPool
+from kvhandoff.integrations.vllm.block_copy import StagingPath
 from kvhandoff.integrations.vllm.host_staging import HostStaging, kv_memory, tensor_info
 from kvhandoff.integrations.vllm.layout import GroupInfo, MambaInfo, TensorInfo, build_layout
 from kvhandoff.integrations.vllm.requests import RecvReq, SendReq, StepMeta
@@ -93,7 +94,8 @@ def _side(url: str, producer: bool, fill: bool, instance: str, *,
 
 
 def _staged_side(url: str, producer: bool, fill: bool, instance: str, transport: str,
-                 device: str = "cpu", *, stage: bool = True) -> Side:
+                 device: str = "cpu", *, stage: bool = True,
+                 path: StagingPath = StagingPath.BLOCKS) -> Side:
     """As the connector sets a worker up for vLLM's tensors on ``device``: a mirror of
     their shared storage registered instead (what it does for a GPU cache, and on CPU
     when ``host_staging`` forces it, ``stage``), or, on CPU without ``stage``, whatever
@@ -108,7 +110,8 @@ def _staged_side(url: str, producer: bool, fill: bool, instance: str, transport:
                "model.layers.1.self_attn.attn": dev.view(torch.bfloat16).view(
                    BLOCKS, HEADS, BS, C)}
     mem = kv_memory(tensors, [g.layer_names for g in GROUPS], _config(instance, transport),
-                    producer=producer, host_staging=stage and device == "cpu")
+                    producer=producer, host_staging=stage and device == "cpu",
+                    staging_path=path)
     rows = AuxPool(4, allocate=mem.allocate)
     aux = rows.component.tensors[0]
     layout = build_layout(GROUPS, {n: tensor_info(t) for n, t in mem.tensors.items()},
@@ -134,13 +137,14 @@ def pair() -> Iterator[tuple[Side, Side, str]]:
 
 
 @contextlib.contextmanager
-def _sides(transport: str, device: str, *, stage: bool = True
-           ) -> Iterator[tuple[Side, Side, str]]:
+def _sides(transport: str, device: str, *, stage: bool = True,
+           path: StagingPath = StagingPath.BLOCKS) -> Iterator[tuple[Side, Side, str]]:
     with BootstrapServer() as srv:
         name = f"vllm-staged-{transport}-{device}-{time.monotonic_ns()}"
-        p = _staged_side(srv.url, True, True, name, transport, device, stage=stage)
+        p = _staged_side(srv.url, True, True, name, transport, device, stage=stage, path=path)
         try:
-            d = _staged_side(srv.url, False, False, name, transport, device, stage=stage)
+            d = _staged_side(srv.url, False, False, name, transport, device, stage=stage,
+                             path=path)
         except BaseException:
             p.worker.close()
             raise
@@ -235,7 +239,26 @@ def test_a_staged_handoff_lands_byte_exact_in_the_device_tensors(
     decode copies mirror → device before it reports the request: decode's device memory
     then holds prefill's attention pages and Mamba state at decode's block ids, and
     nothing else. With a GPU, every mirror is page-locked (no pageable fallback)."""
-    p, d, url = staged
+    _staged_handoff(*staged)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=NEEDS_CUDA)])
+@pytest.mark.parametrize(("transport", "path"), [
+    ("tcp", StagingPath.PACKED), ("shm", StagingPath.PACKED), ("tcp", StagingPath.MAPPED)])
+def test_a_packed_or_mapped_staged_handoff_lands_byte_exact_in_the_device_tensors(
+        transport: str, path: StagingPath, device: str) -> None:
+    """The same handoff on the other staging paths: ``packed`` (gathered on the device,
+    one contiguous copy per layer, placed in the mirror; the reverse on decode) and
+    ``mapped`` (the device writes and reads the mirror itself; tcp's mirrors are
+    torch's, which it needs)."""
+    with _sides(transport, device, path=path) as (p, d, url):
+        for side in (p, d):
+            assert isinstance(side.worker.staging, HostStaging)
+            assert side.worker.staging.path is path
+        _staged_handoff(p, d, url)
+
+
+def _staged_handoff(p: Side, d: Side, url: str) -> None:
     for side in (p, d):
         assert isinstance(side.worker.staging, HostStaging) and side.device is not None
         if side.device.is_cuda:

@@ -1,7 +1,8 @@
 """Pinned host staging (``kvhandoff.integrations.vllm.host_staging``): the mirror path
-the connector takes for a GPU KV cache over tcp/shm. Each copy test runs on CPU tensors
-(forced with ``host_staging``, so the same code runs without a GPU) and, where CUDA is
-available, on GPU tensors with pinned mirrors (``make gpu-check``)."""
+the connector takes for a GPU KV cache over tcp/shm. Each copy test runs on both copy
+paths (``blocks``, ``packed``), on CPU tensors (forced with ``host_staging``, so the same
+index and copy code runs without a GPU) and, where CUDA is available, on GPU tensors with
+pinned mirrors (``make gpu-check``)."""
 
 from __future__ import annotations
 
@@ -10,14 +11,17 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as hst
 
 from kvhandoff.integrations.vllm import host_staging
+from kvhandoff.integrations.vllm.block_copy import StagingPath, runs, words
 from kvhandoff.integrations.vllm.host_staging import (
     HostStaging,
     StagingError,
     flag,
     kv_memory,
-    runs,
+    staging_path_option,
     tensor_info,
 )
 from kvhandoff.integrations.vllm.layout import GroupInfo, build_layout
@@ -36,6 +40,12 @@ CUDA = torch.cuda.is_available()
 def device(request: pytest.FixtureRequest) -> str:
     """Where the "vLLM" tensors live: the staged copies run device ↔ host."""
     return str(request.param)
+
+
+@pytest.fixture(params=list(StagingPath))
+def path(request: pytest.FixtureRequest) -> StagingPath:
+    """How the staged copies run: per run of blocks, or packed on the device first."""
+    return StagingPath(request.param)
 
 
 def _pool(fill: bool, seed: int = 1, device: str = "cpu") -> torch.Tensor:
@@ -81,10 +91,12 @@ def test_runs_are_distinct_consecutive_ids() -> None:
     assert runs([]) == []
 
 
-def test_one_mirror_per_storage_with_the_same_offsets_and_strides(device: str) -> None:
+def test_one_mirror_per_storage_with_the_same_offsets_and_strides(
+        device: str, path: StagingPath) -> None:
     dev = _views(_pool(True, device=device))
     other = torch.zeros(3, NB, 5, dtype=torch.float32, device=device)  # its own storage
-    st = HostStaging({**dev, "other": other}, (("raw",), ("attn", "other")), block_dims=DIMS)
+    st = HostStaging({**dev, "other": other}, (("raw",), ("attn", "other")), block_dims=DIMS,
+                     path=path)
     assert st.nbytes == NB * PAGE + other.nbytes  # the shared pool once, not per view
     m = st.mirrors
     assert m["raw"].untyped_storage().data_ptr() == m["attn"].untyped_storage().data_ptr()
@@ -99,30 +111,34 @@ def test_one_mirror_per_storage_with_the_same_offsets_and_strides(device: str) -
     assert not _bytes(m["raw"]).any()  # zeroed
 
 
-def test_to_host_copies_exactly_the_chosen_blocks_of_each_view(device: str) -> None:
+def test_to_host_copies_exactly_the_chosen_blocks_of_each_view(
+        device: str, path: StagingPath) -> None:
     dev = _views(_pool(True, device=device))
-    st = HostStaging(dev, GROUPS, block_dims=DIMS)
+    st = HostStaging(dev, GROUPS, block_dims=DIMS, path=path)
     st.to_host([[1, 6], [0, 4, 5, 7]])
     assert torch.equal(_bytes(st.mirrors["raw"]), _expected(dev, [1, 6], [0, 4, 5, 7]))
     st.to_host([[], []])  # nothing moves: nothing changes
     assert torch.equal(_bytes(st.mirrors["raw"]), _expected(dev, [1, 6], [0, 4, 5, 7]))
 
 
-def test_to_device_copies_exactly_the_chosen_blocks_back(device: str) -> None:
+def test_to_device_copies_exactly_the_chosen_blocks_back(
+        device: str, path: StagingPath) -> None:
     dev = _views(_pool(False, device=device))
-    st = HostStaging(dev, GROUPS, block_dims=DIMS)
+    st = HostStaging(dev, GROUPS, block_dims=DIMS, path=path)
     _bytes(st.mirrors["raw"])[:] = _pool(True, seed=2)  # what a transport wrote
     st.to_device([[3], [2, 3, 6]])
     assert torch.equal(_bytes(dev["raw"]), _expected(st.mirrors, [3], [2, 3, 6]))
     assert _bytes(dev["raw"]).any()
 
 
-def test_a_round_trip_lands_byte_exact_in_another_devices_tensors(device: str) -> None:
+def test_a_round_trip_lands_byte_exact_in_another_devices_tensors(
+        device: str, path: StagingPath) -> None:
     """Prefill's device → its mirror → (the transport: a plain copy here) → decode's
     mirror → decode's device, with different block ids on the two sides."""
     p_dev = _views(_pool(True, seed=3, device=device))
     d_dev = _views(_pool(False, device=device))
-    p, d = HostStaging(p_dev, GROUPS, block_dims=DIMS), HostStaging(d_dev, GROUPS, block_dims=DIMS)
+    p = HostStaging(p_dev, GROUPS, block_dims=DIMS, path=path)
+    d = HostStaging(d_dev, GROUPS, block_dims=DIMS, path=path)
     p.to_host([[2], [1, 3]])
     d.mirrors["raw"][5] = p.mirrors["raw"][2]
     d.mirrors["attn"][:, [6, 7]] = p.mirrors["attn"][:, [1, 3]]
@@ -140,10 +156,11 @@ def test_a_round_trip_lands_byte_exact_in_another_devices_tensors(device: str) -
 @pytest.mark.parametrize("bad", [[NB], [-1], [0, NB + 3]])
 @pytest.mark.parametrize("way", ["to_host", "to_device"])
 def test_out_of_range_block_ids_are_refused_before_any_copy(bad: list[int], way: str,
-                                                            device: str) -> None:
+                                                            device: str, path: StagingPath
+                                                            ) -> None:
     dev = _views(_pool(True, device=device))
     before = _bytes(dev["raw"]).clone()
-    st = HostStaging(dev, GROUPS, block_dims=DIMS)
+    st = HostStaging(dev, GROUPS, block_dims=DIMS, path=path)
     copy: Callable[[list[list[int]]], None] = getattr(st, way)
     with pytest.raises(StagingError, match=r"group 1 layer 'attn': block ids .* outside its 8 "
                                            r"blocks; nothing was copied"):
@@ -152,6 +169,131 @@ def test_out_of_range_block_ids_are_refused_before_any_copy(bad: list[int], way:
     assert torch.equal(_bytes(dev["raw"]), before)
     with pytest.raises(StagingError, match="1 block lists for 2 staged groups"):
         copy([[1]])
+
+
+def _hybrid(pool: torch.Tensor) -> dict[str, torch.Tensor]:
+    """:func:`_views` plus a block-major ``[num_blocks, 2, H, N, C]`` bf16 view of the same
+    storage, given to two layers (vLLM may give several layers one buffer), and a bf16
+    ``[num_blocks, 5]`` view 6 bytes into each page (10-byte rows: no wider word fits)."""
+    paged = pool.view(torch.bfloat16).view(NB, 2, H, N, C)
+    tail = torch.empty(0, dtype=torch.bfloat16, device=pool.device).set_(
+        pool.untyped_storage(), 3, (NB, 5), (PAGE // 2, 1))
+    return {**_views(pool), "tail": tail, "paged": paged, "shared": paged}
+
+
+HYBRID = (("raw",), ("attn",), ("tail", "paged", "shared"))
+
+
+def _oracle(src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor],
+            blocks: list[list[int]]) -> None:
+    """The naive reference: each block of each view of each group, one at a time."""
+    for names, ids in zip(HYBRID, blocks, strict=True):
+        for name in names:
+            dim = DIMS.get(name, 0)
+            for b in ids:
+                dst[name].select(dim, b).view(torch.int16 if dst[name].element_size() == 2
+                                              else torch.int8).copy_(
+                    src[name].select(dim, b).view(torch.int16 if src[name].element_size() == 2
+                                                  else torch.int8).cpu())
+
+
+ids_lists = hst.lists(hst.lists(hst.integers(-2, NB + 1), max_size=NB + 2), min_size=3,
+                      max_size=3)
+
+
+@settings(max_examples=80, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(blocks=ids_lists, seed=hst.integers(0, 2**16))
+@pytest.mark.parametrize("to_host", [True, False])
+def test_random_block_lists_move_byte_exact_or_are_refused(
+        blocks: list[list[int]], seed: int, to_host: bool, device: str, path: StagingPath
+        ) -> None:
+    """Hybrid overlaid views (attention K/V halves, padded raw pages, block-major pages
+    shared by two layers) and random block lists in random order: a valid list moves
+    exactly what the naive per-block oracle moves; a list with an id outside the views
+    or an id twice is refused, naming the group, layer and ids, and nothing moves."""
+    dev = _hybrid(_pool(to_host, seed=seed, device=device))
+    st = HostStaging(dev, HYBRID, block_dims=DIMS, path=path)
+    if not to_host:
+        _bytes(st.mirrors["raw"])[:] = _pool(True, seed=seed)  # what a transport wrote
+    src, dst = (dev, st.mirrors) if to_host else (st.mirrors, dev)
+    before = _bytes(dst["raw"]).clone()
+    want = _hybrid(before.clone())
+    bad = [(g, sorted({b for b in ids if not 0 <= b < NB}), sorted({b for b in ids
+                                                                    if ids.count(b) > 1}))
+           for g, ids in enumerate(blocks)]
+    move = st.to_host if to_host else st.to_device
+    first = next(((g, out, dup) for g, out, dup in bad if out or dup), None)
+    if first is None:
+        move(blocks)
+        _oracle(src, want, blocks)
+        assert torch.equal(_bytes(dst["raw"]), _bytes(want["raw"]))
+        return
+    g, out, dup = first
+    layer = HYBRID[g][0]
+    why = f"outside its {NB} blocks" if out else "listed more than once"
+    with pytest.raises(StagingError, match=rf"group {g} layer '{layer}': block ids "
+                                           rf"\[.*\] {why}; nothing was copied") as e:
+        move(blocks)
+    assert str(out or dup)[1:-1] in str(e.value)
+    assert torch.equal(_bytes(dst["raw"]), before)
+
+
+def test_views_are_copied_as_the_widest_words_their_layout_allows() -> None:
+    """Same bytes, same blocks; 8-byte words where the rows, offset and strides allow,
+    else the element width (never across the block dimension)."""
+    pool = _pool(True)
+    for name, t in _hybrid(pool).items():
+        w = words(t, DIMS.get(name, 0))
+        assert w.data_ptr() == t.data_ptr() and w.shape[:-1] == t.shape[:-1], name
+        # the tail view's 10-byte rows at byte 6 of each page: no wider word fits
+        assert w.dtype == (torch.int16 if name == "tail" else torch.int64), name
+    last = pool.view(torch.float32).view(-1, NB)
+    assert words(last, 1).dtype == torch.int32  # the block dimension is the last one
+    assert words(last, 1).shape == last.shape
+
+
+def test_the_packing_buffer_grows_to_the_largest_request_and_is_reused() -> None:
+    st = HostStaging(_views(_pool(True)), GROUPS, block_dims=DIMS, path=StagingPath.PACKED)
+    mirrors = NB * PAGE
+    assert st.nbytes == mirrors
+    st.to_host([[1, 2], [0, 3, 4]])
+    grown = st.nbytes - mirrors
+    assert grown == 2 * USEFUL + 3 * PAGE  # two raw pages, three K+V attention blocks
+    st.to_host([[5], [6]])
+    assert st.nbytes - mirrors == grown
+
+
+@pytest.mark.skipif(not CUDA, reason="no CUDA device here (make gpu-check runs these on a GPU)")
+def test_the_mapped_path_maps_a_mirror_torch_pinned_and_refuses_others() -> None:
+    """The device addresses the mirror itself (same bytes, same address); a mirror in a
+    transport's memory or a pageable one is refused at start-up, naming the layer."""
+    dev = _views(_pool(True, device="cuda"))
+    st = HostStaging(dev, GROUPS, block_dims=DIMS, path=StagingPath.MAPPED)
+    for s in st._layers.values():
+        assert s.mapped is not None and s.mapped.is_cuda
+        assert s.mapped.data_ptr() == s.host.data_ptr()
+    with pytest.raises(StagingError, match=r"layer 'raw': staging path 'mapped' needs a mirror "
+                                           r"torch page-locks .* is pageable"):
+        HostStaging(dev, GROUPS, block_dims=DIMS, pin=False, path=StagingPath.MAPPED)
+    with pytest.raises(StagingError, match="is in the transport's memory"):
+        HostStaging(dev, GROUPS, block_dims=DIMS, path=StagingPath.MAPPED,
+                    allocate=_from([np.zeros(NB * PAGE, np.uint8)]))
+
+
+def test_the_staging_path_option_names_one_path() -> None:
+    assert staging_path_option({}) is StagingPath.BLOCKS
+    assert staging_path_option({"staging_path": "packed"}) is StagingPath.PACKED
+    with pytest.raises(StagingError, match=r"staging path 'fast' is not one of "
+                                           r"\['blocks', 'packed', 'mapped'\]"):
+        staging_path_option({"staging_path": "fast"})
+    with pytest.raises(StagingError, match=r"staging_path must be one of .*, got 1"):
+        staging_path_option({"staging_path": 1})
+    with pytest.raises(StagingError, match="staging path 'gather'"):
+        HostStaging(_views(_pool(False)), GROUPS, block_dims=DIMS, path="gather")
+    mem = kv_memory(_views(_pool(False)), GROUPS, SessionConfig(transport="tcp"),
+                    producer=True, host_staging=True, staging_path="packed")
+    assert mem.staging is not None and mem.staging.path is StagingPath.PACKED
 
 
 def test_a_missing_layer_or_block_dimension_is_refused() -> None:

@@ -15,9 +15,9 @@ vLLM registered its KV caches). Load it with::
 host, tcp or RDMA across; or name one: ``cma``, ``tcp``, ``shm``, ``mooncake``, ``nixl``),
 ``instance`` (the prefill deployment's name, default ``default``), ``host`` (control
 socket bind address), ``aux_rows`` (handoffs in flight per worker, default 1024),
-``host_staging`` and ``gpu_direct`` (see below), ``hook`` and ``hook_config`` (a test
-rig's :class:`~kvhandoff.integrations.HandoffHook`: ``"module:factory"``, called with
-the ``hook_config`` mapping), and any other
+``host_staging``, ``staging_path`` and ``gpu_direct`` (see below), ``hook`` and
+``hook_config`` (a test rig's :class:`~kvhandoff.integrations.HandoffHook`:
+``"module:factory"``, called with the ``hook_config`` mapping), and any other
 :class:`~kvhandoff.session.config.SessionConfig` field (e.g. ``transfer_timeout``).
 
 GPU memory: with vLLM's KV cache on CUDA, the worker keeps a host mirror and copies each
@@ -29,7 +29,10 @@ on the H100 NIXL moved GPU → GPU between processes byte-exact, but host → GP
 progress as kvhandoff drives it (no target progress), and torch's device copies failed
 in a process whose NIXL agent had loaded UCX's CUDA modules (README, "GPU memory").
 ``host_staging: true`` forces the mirror for CPU tensors too (how the path is tested
-without a GPU).
+without a GPU). ``staging_path`` picks how a mirror's copies run: ``blocks`` (default, one
+copy per run of blocks), ``packed`` (one device gather, one contiguous copy, one host
+placement per layer) or ``mapped`` (the GPU reads and writes the pinned mirror itself;
+tcp and cma only); the last two have not yet run on a GPU (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ from kvhandoff.integrations import (
 from kvhandoff.integrations.vllm.host_staging import (
     flag,
     kv_memory,
+    staging_path_option,
     tensor_info,
 )
 from kvhandoff.integrations.vllm.layout import (
@@ -90,7 +94,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvhandoff.integrations.vllm")
 
-_OWN_KEYS = {"bootstrap", "aux_rows", "host_staging", "gpu_direct", "hook", "hook_config"}
+_OWN_KEYS = {"bootstrap", "aux_rows", "host_staging", "staging_path", "gpu_direct", "hook",
+             "hook_config"}
 
 
 class KvhandoffMetadata(KVConnectorMetadata):  # type: ignore[misc]
@@ -146,6 +151,7 @@ class KvhandoffConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._aux_rows = int(extra.get("aux_rows", 1024))
         self._host_staging = flag(extra, "host_staging")
         self._gpu_direct = flag(extra, "gpu_direct")
+        self._staging_path = staging_path_option(extra)
         self._extra = extra
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
@@ -172,10 +178,11 @@ class KvhandoffConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         rank = get_tensor_model_parallel_rank() if tp > 1 else 0
         mem = kv_memory(kv_caches, [g.layer_names for g in self.groups], self.session,
                         producer=self.producer, host_staging=self._host_staging,
-                        gpu_direct=self._gpu_direct)
+                        gpu_direct=self._gpu_direct, staging_path=self._staging_path)
         if mem.staging is not None:
-            log.info("kvhandoff: vLLM's KV cache goes through a %s host mirror of %d B",
-                     "pinned" if mem.staging.pinned else "pageable", mem.staging.nbytes)
+            log.info("kvhandoff: vLLM's KV cache goes through a %s host mirror of %d B "
+                     "(%s copies)", "pinned" if mem.staging.pinned else "pageable",
+                     mem.staging.nbytes, mem.staging.path.value)
         try:
             rows = AuxPool(self._aux_rows, allocate=mem.allocate, name=AUX_NAME)
             aux = rows.component.tensors[0]

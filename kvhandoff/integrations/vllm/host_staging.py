@@ -17,7 +17,12 @@ layer's mirror view with the very offset, shape and strides of the device view, 
 layout built from the mirrors (base pointer, item stride, page padding) is the device
 layout shifted to host memory. Copies go through those views along the block dimension,
 so a block moves exactly the bytes its view covers in that group (K and V halves, the
-useful part of a padded Mamba page), and no other block is touched.
+useful part of a padded Mamba page), and no other block is touched. How they run is the
+staging path (:mod:`.block_copy`): ``blocks`` (one copy per run of blocks, the default
+and the path measured on an H100), ``packed`` (gathered on the device, one contiguous
+copy, placed on the host) or ``mapped`` (the device reads and writes the pinned mirror
+itself); the last two have not yet run on a GPU. Block lists are checked first: an id
+outside a layer's blocks or an id listed twice is refused before anything moves.
 
 :func:`kv_memory` decides, per worker, what kvhandoff registers: vLLM's tensors, the
 same as device memory (nixl, mooncake), or a mirror. A decode worker on a transport
@@ -28,10 +33,13 @@ The CUDA path (pinning, the device copies, the stream synchronisation) runs on a
 ``make gpu-check`` (tested on an H100: staged tcp, shm and nixl handoffs byte-exact in
 decode's GPU memory); ``host_staging`` runs the same code on CPU tensors everywhere else.
 A GPU cache takes the mirror over every transport unless ``gpu_direct`` asks nixl or
-mooncake to register device memory themselves. The mirror is page-locked by torch (tcp)
-or with ``cudaHostRegister`` (shm's arenas); for nixl and mooncake it is left to the
-engine, whose CUDA-aware registration page-locks it and would fail on memory torch had
-locked already ("part or all of the requested memory range is already mapped").
+mooncake to register device memory themselves. That stays opt-in (docs/gpu.md says
+why: torch's device copies failed in a process whose NIXL agent loaded UCX's CUDA
+modules, and host → GPU over NIXL made no progress as kvhandoff drives it). The mirror
+is page-locked by torch (tcp) or with ``cudaHostRegister`` (shm's arenas); for nixl and
+mooncake it is left to the engine, whose CUDA-aware registration page-locks it and would
+fail on memory torch had locked already ("part or all of the requested memory range is
+already mapped").
 """
 
 from __future__ import annotations
@@ -49,9 +57,16 @@ from kvhandoff.integrations import (
     How,
     SessionConfig,
     Transport,
-    coalesce_runs,
     open_transport,
     placement,
+)
+from kvhandoff.integrations.vllm.block_copy import (
+    Packer,
+    StagedTensor,
+    StagingPath,
+    copy_mapped,
+    copy_runs,
+    device_alias,
 )
 from kvhandoff.integrations.vllm.layout import TensorInfo
 from kvhandoff.layout import MemoryKind
@@ -63,21 +78,8 @@ Allocate = Callable[[int], np.ndarray]
 
 
 class StagingError(ValueError):
-    """A block id a tensor does not have; raised before anything is copied."""
-
-
-@dataclass(frozen=True, slots=True)
-class StagedTensor:
-    """One layer tensor and its host mirror view (same shape, strides, storage offset)."""
-
-    name: str
-    device: torch.Tensor
-    host: torch.Tensor
-    dim: int  # the block dimension
-
-    @property
-    def num_blocks(self) -> int:
-        return int(self.device.shape[self.dim])
+    """A block list a staged tensor cannot take (an id outside it, an id twice, a list
+    per group missing); raised before anything is copied."""
 
 
 def flag(extra: Mapping[str, object], key: str) -> bool:
@@ -118,6 +120,24 @@ def host_storage(nbytes: int, *, pin: bool, allocate: Allocate | None = None
     return st, not rc
 
 
+def staging_path_option(extra: Mapping[str, object]) -> StagingPath:
+    """``kv_connector_extra_config.staging_path`` (``blocks`` when absent)."""
+    value = extra.get("staging_path", StagingPath.BLOCKS)
+    if not isinstance(value, str):
+        raise StagingError(f"kv_connector_extra_config.staging_path must be one of "
+                           f"{[p.value for p in StagingPath]}, got {value!r}")
+    return _path(value)
+
+
+def _path(value: StagingPath | str) -> StagingPath:
+    """``value`` as a :class:`StagingPath`, or a :class:`StagingError` naming the choices."""
+    try:
+        return StagingPath(value)
+    except ValueError:
+        raise StagingError(f"staging path {value!r} is not one of "
+                           f"{[p.value for p in StagingPath]}") from None
+
+
 def tensor_info(t: torch.Tensor) -> TensorInfo:
     """What the layout needs of one layer tensor: pointer, shape and strides, and its
     backing allocation (the untyped storage several views may share)."""
@@ -132,14 +152,8 @@ def tensor_info(t: torch.Tensor) -> TensorInfo:
 
 def mirror_view(t: torch.Tensor, storage: torch.UntypedStorage) -> torch.Tensor:
     """``t``'s view (dtype, storage offset, shape, strides) over ``storage`` instead."""
-    return torch.empty(0, dtype=t.dtype).set_(storage, t.storage_offset(), t.shape, t.stride())
-
-
-def runs(blocks: Sequence[int]) -> list[tuple[int, int]]:
-    """Distinct block ids as ``(first, count)`` runs of consecutive ids, ascending."""
-    ids = np.unique(np.asarray(blocks, dtype=np.int64))
-    first, count = coalesce_runs(ids)
-    return list(zip(ids[first].tolist(), count.tolist(), strict=True))
+    return torch.empty(0, dtype=t.dtype, device=storage.device).set_(
+        storage, t.storage_offset(), t.shape, t.stride())
 
 
 class HostStaging:
@@ -147,14 +161,20 @@ class HostStaging:
     KV-cache group, in the order of the block lists the copies take), one allocation
     per distinct storage. ``block_dims`` names a layer's block dimension where it is not
     0; ``pin`` defaults to whether CUDA is available (pinning needs it); ``allocate``
-    supplies the host memory (a transport's), else torch does."""
+    supplies the host memory (a transport's), else torch does; ``path`` picks how blocks
+    cross (:class:`~.block_copy.StagingPath`: per run of blocks, the default; packed on
+    the device first; or mapped, the device writing the mirror itself, which needs a
+    mirror torch pinned). The mirror's layout is the same on every path."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], groups: Sequence[Sequence[str]],
                  *, block_dims: Mapping[str, int] | None = None, pin: bool | None = None,
-                 allocate: Allocate | None = None) -> None:
+                 allocate: Allocate | None = None,
+                 path: StagingPath | str = StagingPath.BLOCKS) -> None:
         pin = torch.cuda.is_available() if pin is None else pin
         self._allocate = allocate
         self.pinned = pin
+        self.path = _path(path)
+        self._packer = Packer(pin=pin) if self.path is StagingPath.PACKED else None
         dims = dict(block_dims or {})
         self._storages: dict[tuple[str, int, int], torch.UntypedStorage] = {}
         self._registered: list[int] = []  # what close() unregisters, each address once
@@ -183,7 +203,24 @@ class HostStaging:
             self._storages[key] = st
             if registered:
                 self._registered.append(st.data_ptr())
-        return StagedTensor(name, t, mirror_view(t, st), dim)
+        mapped = None
+        if self.path is StagingPath.MAPPED:
+            mapped = mirror_view(t, self._mapped(name, t, st))
+        return StagedTensor(name, t, mirror_view(t, st), dim, mapped)
+
+    def _mapped(self, name: str, t: torch.Tensor, st: torch.UntypedStorage
+                ) -> torch.UntypedStorage:
+        """``st`` as ``t``'s device addresses it, for the ``mapped`` path: on CUDA only
+        a mirror torch page-locked (not one in a transport's memory, nor a pageable one)."""
+        if t.device.type == "cuda" and (self._allocate is not None or not self.pinned):
+            where = "in the transport's memory" if self._allocate else "pageable"
+            raise StagingError(f"layer {name!r}: staging path 'mapped' needs a mirror torch "
+                               f"page-locks (transports tcp, cma), and this one is {where}; "
+                               f"use 'packed' or 'blocks'")
+        try:
+            return device_alias(st, t.device)
+        except ValueError as e:
+            raise StagingError(f"layer {name!r}: staging path 'mapped': {e}") from None
 
     @property
     def mirrors(self) -> dict[str, torch.Tensor]:
@@ -192,8 +229,9 @@ class HostStaging:
 
     @property
     def nbytes(self) -> int:
-        """Host bytes held (one mirror per distinct storage)."""
-        return sum(st.nbytes() for st in self._storages.values())
+        """Host bytes held: one mirror per distinct storage, and the packing buffer."""
+        packing = self._packer.nbytes if self._packer is not None else 0
+        return sum(st.nbytes() for st in self._storages.values()) + packing
 
     def close(self) -> None:
         """Unregister the mirrors CUDA page-locked for us (torch unpins its own), each
@@ -211,28 +249,42 @@ class HostStaging:
         """Decode: copy these blocks (one list per group) host → device, and wait."""
         self._copy(blocks, to_host=False)
 
-    def _check(self, blocks: Sequence[Sequence[int]]) -> None:
+    def _check(self, blocks: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """Each group's block ids as int64, after checking every list against every view
+        of its group: in range and distinct (vLLM never hands a block twice; a repeat
+        would be a bug upstream, and the device scatters a repeat in no set order)."""
         if len(blocks) != len(self.groups):
             raise StagingError(f"{len(blocks)} block lists for {len(self.groups)} staged "
                                f"groups")
+        out = []
         for g, (names, ids) in enumerate(zip(self.groups, blocks, strict=True)):
+            arr = np.asarray(ids, dtype=np.int64).reshape(-1)
             for name in names:
                 n = self._layers[name].num_blocks
-                bad = [b for b in ids if not 0 <= b < n]
-                if bad:
-                    raise StagingError(f"group {g} layer {name!r}: block ids {bad} outside "
-                                       f"its {n} blocks; nothing was copied")
+                bad = np.unique(arr[(arr < 0) | (arr >= n)])
+                if bad.size:
+                    raise StagingError(f"group {g} layer {name!r}: block ids {bad.tolist()} "
+                                       f"outside its {n} blocks; nothing was copied")
+            uniq, counts = np.unique(arr, return_counts=True)
+            if (counts > 1).any():
+                raise StagingError(f"group {g} layer {names[0]!r}: block ids "
+                                   f"{uniq[counts > 1].tolist()} listed more than once; "
+                                   f"nothing was copied")
+            out.append(arr)
+        return out
 
     def _copy(self, blocks: Sequence[Sequence[int]], *, to_host: bool) -> None:
-        self._check(blocks)
-        for names, ids in zip(self.groups, blocks, strict=True):
-            spans = runs(ids)
-            for name in names:
-                s = self._layers[name]
-                src, dst = (s.device, s.host) if to_host else (s.host, s.device)
-                for first, count in spans:
-                    dst.narrow(s.dim, first, count).copy_(src.narrow(s.dim, first, count),
-                                                          non_blocking=True)
+        ids = self._check(blocks)
+        batch = [([self._layers[name] for name in names], arr)
+                 for names, arr in zip(self.groups, ids, strict=True) if arr.size]
+        if self.path is StagingPath.MAPPED:
+            copy_mapped(batch, to_host=to_host)
+        elif self._packer is None:
+            copy_runs(batch, to_host=to_host)
+        elif to_host:
+            self._packer.to_host(batch)
+        else:
+            self._packer.to_device(batch)
         self._sync()
 
     def _sync(self) -> None:
@@ -270,13 +322,16 @@ class KvMemory:
 
 def kv_memory(tensors: Mapping[str, torch.Tensor], groups: Sequence[Sequence[str]],
               config: SessionConfig, *, producer: bool, host_staging: bool = False,
-              gpu_direct: bool = False) -> KvMemory:
+              gpu_direct: bool = False,
+              staging_path: StagingPath | str = StagingPath.BLOCKS) -> KvMemory:
     """How a worker reaches vLLM's KV cache (``groups``: layer names per transferable
     group), as the kit decides it (:func:`kvhandoff.integrations.placement`): vLLM's
     tensors in place (GPU memory registered by nixl or mooncake with ``gpu_direct``), or
     a host mirror — when ``host_staging`` is set, when the cache is in GPU memory, and on
     decode when the transport writes only into its own ``allocate``d memory (shm), the
-    mirror then allocated there."""
+    mirror then allocated there. ``staging_path`` is how a mirror's copies run
+    (:class:`~.block_copy.StagingPath`), checked even when no mirror is needed."""
+    path = _path(staging_path)
     name = config.transport
     cuda = any(t.device.type == "cuda" for t in tensors.values())
     where = placement(name, producer=producer, cuda=cuda, mirror=True,
@@ -290,7 +345,8 @@ def kv_memory(tensors: Mapping[str, torch.Tensor], groups: Sequence[Sequence[str
     try:
         staging = HostStaging(tensors, groups,
                               pin=None if name in CUDA_STAGED_ONLY else False,
-                              allocate=transport.allocate if transport is not None else None)
+                              allocate=transport.allocate if transport is not None else None,
+                              path=path)
     except BaseException:
         if transport is not None:
             transport.close()
