@@ -33,6 +33,7 @@ import numpy as np
 import pytest
 from kvh_conformance import Pair, RemotePeer, deliver, fd_count, make, settle, thread_count
 
+from kvhandoff.lab.testing.hostile import read_frame
 from kvhandoff.lab.testing.transport import KINDS, PlanBuilder
 from kvhandoff.layout import Region
 from kvhandoff.plan.model import Plan, TensorPlan
@@ -179,17 +180,10 @@ def _dial_option(option: str) -> tuple[socket.socket, list[list[int]]]:
 
 
 def _reply(sock: socket.socket) -> tuple[Header, bytes]:
-    hdr = b""
-    while len(hdr) < HEADER.size:
-        part = sock.recv(HEADER.size - len(hdr))
-        if not part:
-            raise EOFError
-        hdr += part
-    h = Header.unpack(hdr)
-    body = b""
-    while len(body) < h.desc_len:
-        body += sock.recv(h.desc_len - len(body))
-    return h, body
+    got = read_frame(sock)
+    if got is None:
+        raise EOFError("the staging server closed the connection")
+    return got
 
 
 def _commit(sock: socket.socket, seq: int, slot: int, rec: Records) -> int:

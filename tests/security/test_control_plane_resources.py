@@ -59,13 +59,6 @@ def rig(open_rig: Rig) -> Rig:
 
 
 @pytest.fixture
-def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
-    c: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    yield c
-    c.term()
-
-
-@pytest.fixture
 def attacker_tcp() -> Iterator[Transport]:
     """The attacker's own tcp transport: what its Hellos name as their data endpoint."""
     t = create_transport("tcp")
