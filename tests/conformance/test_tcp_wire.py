@@ -11,7 +11,7 @@ import pytest
 from kvh_conformance import Pair, settle, thread_count
 
 from kvhandoff.lab.testing.hostile import until_closed
-from kvhandoff.lab.testing.transport import KINDS, PlanBuilder
+from kvhandoff.lab.testing.transport import KINDS, PlanBuilder, page_plan
 from kvhandoff.layout import Region
 from kvhandoff.memory import raw_view
 from kvhandoff.plan.execute import HostMemory, execute
@@ -247,11 +247,7 @@ def test_malformed_frames_drop_the_connection_not_the_server(payload: str) -> No
         # the server still serves a well-behaved client
         src = np.full(4096, 7, np.uint8)
         s.register(src)
-        p = Plan(entries=(TensorPlan(
-            component="c", tensor="t", layer_id=0, src_ptr=int(src.ctypes.data),
-            dst_ptr=int(dst.ctypes.data), src_unit=4096, dst_unit=4096,
-            src_idx=np.array([0]), dst_idx=np.array([2]),
-            pieces=np.array([[0, 0, 4096, 1, 4096, 4096]])),))
+        p = page_plan(src, dst, 2)
         peer = s.connect(ep)
         h = s.submit(peer, p)
         assert s.wait(h, TIMEOUT) is TransferState.DONE, h.error

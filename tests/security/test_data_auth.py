@@ -39,7 +39,7 @@ from kvhandoff.lab.testing.hostile import (
     until_closed,
 )
 from kvhandoff.lab.testing.rig import Rig
-from kvhandoff.plan.model import Plan, TensorPlan
+from kvhandoff.lab.testing.transport import page_plan
 from kvhandoff.secret import PURPOSE_DATA, Secret, write_secret_file
 from kvhandoff.session import Status
 from kvhandoff.transport import ConnectError, TransferState
@@ -249,11 +249,7 @@ def test_connections_per_address_are_capped(caplog: pytest.LogCaptureFixture,
         assert "it holds 2 connections already (max_connections_per_host)" in caplog.text
         src = np.full(4096, 5, np.uint8)
         s1.register(src)
-        plan = Plan(entries=(TensorPlan(
-            component="c", tensor="t", layer_id=0, src_ptr=int(src.ctypes.data),
-            dst_ptr=int(dst.ctypes.data), src_unit=4096, dst_unit=4096,
-            src_idx=np.array([0]), dst_idx=np.array([3]),
-            pieces=np.array([[0, 0, 4096, 1, 4096, 4096]])),))
+        plan = page_plan(src, dst, 3)
         h = s1.submit(p1, plan)
         assert s1.wait(h, TIMEOUT) is TransferState.DONE, h.error  # the capped peer works
         p1.close()
@@ -443,11 +439,7 @@ def test_shm_hands_its_arenas_only_to_a_peer_that_proves_the_key() -> None:
         src = np.full(4096, 9, np.uint8)
         s.register(src)
         peer = s.connect(r.endpoint())
-        plan = Plan(entries=(TensorPlan(
-            component="c", tensor="t", layer_id=0, src_ptr=int(src.ctypes.data),
-            dst_ptr=int(dst.ctypes.data), src_unit=4096, dst_unit=4096,
-            src_idx=np.array([0]), dst_idx=np.array([1]),
-            pieces=np.array([[0, 0, 4096, 1, 4096, 4096]])),))
+        plan = page_plan(src, dst, 1)
         h = s.submit(peer, plan)
         assert s.wait(h, TIMEOUT) is TransferState.DONE, h.error
         assert (dst[4096:8192] == 9).all() and not dst[:4096].any() and not dst[8192:].any()
