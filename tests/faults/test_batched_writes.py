@@ -11,35 +11,14 @@ import threading
 import numpy as np
 
 from kvhandoff.bootstrap.server import BootstrapServer
+from kvhandoff.lab.testing.faulty import CountingTcp
 from kvhandoff.lab.testing.handoff import request_of
 from kvhandoff.lab.testing.oracle import expected_writes
 from kvhandoff.lab.testing.rig import Rig
 from kvhandoff.plan.execute import HostMemory
-from kvhandoff.plan.model import Plan
-from kvhandoff.protocol import Abort, Message, TransferInit, TransferInits, decode_notice
-from kvhandoff.session import SessionConfig, Status
+from kvhandoff.protocol import Abort, Message, TransferInit, TransferInits
+from kvhandoff.session import Status
 from kvhandoff.session.control.channel import Origin
-from kvhandoff.transport.base import Handle, Peer
-from kvhandoff.transport.errors import TransportClosed
-from kvhandoff.transport.tcp.transport import TcpTransport
-
-
-class CountingTcp(TcpTransport):
-    """Records how many statuses each submit's notice carried; ``refuse``: the next
-    submit with several of them is refused, as a closed peer's would be."""
-
-    def __init__(self) -> None:
-        super().__init__(data_secret=SessionConfig().data_key())  # as the rig's agents
-        self.notices: list[int] = []
-        self.refuse = False
-
-    def submit(self, peer: Peer, plan: Plan, *, notice: bytes | None = None) -> Handle:
-        n = 0 if notice is None else len(decode_notice(notice).statuses)
-        if self.refuse and n > 1:
-            self.refuse = False
-            raise TransportClosed("injected: peer closed by its owner")
-        self.notices.append(n)
-        return super().submit(peer, plan, notice=notice)
 
 
 def test_requests_handed_over_together_share_writes_and_land_byte_exact(
