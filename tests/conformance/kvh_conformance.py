@@ -13,14 +13,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import pytest
 
+from kvhandoff.lab.testing.params import transport_params
 from kvhandoff.lab.testing.transport import PlanBuilder, bump, noise, serve_peer
 from kvhandoff.transport import (
     Peer,
     TransferState,
     Transport,
-    available_transports,
     create_transport,
 )
 
@@ -29,16 +28,9 @@ _SHORT = {"io_timeout": 3.0, "connect_timeout": 3.0}
 OPTIONS: dict[str, dict[str, Any]] = {n: dict(_SHORT) for n in ("tcp", "shm", "cma", "auto",
                                                                 "mooncake", "nixl")}
 
-_AVAILABLE = available_transports()
-
-
 def params() -> list[Any]:
     """One pytest param per known transport; unusable ones are skipped with the reason."""
-    out = []
-    for n, (ok, reason) in _AVAILABLE.items():
-        marks = [] if ok else [pytest.mark.skip(reason=f"{n}: {reason}")]
-        out.append(pytest.param(n, marks=marks, id=n))
-    return out
+    return transport_params()
 
 
 def make(name: str, **extra: Any) -> Transport:

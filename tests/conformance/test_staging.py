@@ -34,6 +34,7 @@ import pytest
 from kvh_conformance import Pair, RemotePeer, deliver, fd_count, make, settle, thread_count
 
 from kvhandoff.lab.testing.hostile import read_frame
+from kvhandoff.lab.testing.params import transport_params
 from kvhandoff.lab.testing.transport import KINDS, PlanBuilder
 from kvhandoff.layout import Region
 from kvhandoff.plan.model import Plan, TensorPlan
@@ -42,7 +43,6 @@ from kvhandoff.transport import (
     PeerLost,
     RemoteOutOfBounds,
     TransferState,
-    available_transports,
 )
 from kvhandoff.transport.base import Handle, Peer
 from kvhandoff.transport.engines.common import EnginePeer
@@ -61,14 +61,12 @@ from kvhandoff.transport.staging import (
 from kvhandoff.transport.tcp.transport import TcpTransport
 
 ENGINES = ("mooncake", "nixl")
-_AVAIL = available_transports()
 TIMEOUT = 30.0
 SMALL = StagingConfig(slot_bytes=64 << 10, slots=8, slots_per_peer=3)  # many frames
 
 
 def engines() -> list[Any]:
-    return [pytest.param(n, id=n, marks=[] if _AVAIL[n].ok else [
-        pytest.mark.skip(reason=f"{n}: {_AVAIL[n].reason}")]) for n in ENGINES]
+    return transport_params(ENGINES)
 
 
 def _link(peer: Any) -> Any:
