@@ -1,6 +1,7 @@
 """Hostile peers for the security tests (``tests/security``). Test support.
 
-* :func:`exact`: a rig's decode memory against the oracle, byte for byte.
+* :func:`exact`: a rig's decode memory against the oracle, byte for byte;
+  :func:`landed`: one request's bytes only.
 * :func:`data_port` / :func:`frame` / :func:`read_frame` / :func:`read_reply`: raw frames
   to a tcp transport's data port, as a stranger without (or with) its token would send
   them, and what comes back.
@@ -28,7 +29,7 @@ import numpy as np
 import zmq
 
 from kvhandoff.lab.testing.handoff import RequestPlan, place, request_of
-from kvhandoff.lab.testing.oracle import expected_writes
+from kvhandoff.lab.testing.oracle import ByteMap, expected_writes
 from kvhandoff.lab.testing.rig import DecodeSide, Rig
 from kvhandoff.plan.execute import HostMemory
 from kvhandoff.protocol import Hello, Message, decode_message, encode_message
@@ -63,8 +64,7 @@ def memory_problems(rig: Rig, side: DecodeSide, done: list[RequestPlan],
         expected[i][off:off + aux.item_bytes] = bufs[i][off:off + aux.item_bytes]
     src_mem = HostMemory(rig.parena.bufs)
     for rp in done:
-        bm = expected_writes([rig.src], side.dst, request_of(rig.scn, rp, rig.src, side.dst))
-        assert len(bm.dst), "the oracle expects no write"
+        bm = _writes(rig, side, rp)
         place(expected, bufs, bm.dst, src_mem.read(bm.src))
     out = []
     for i, (b, e) in enumerate(zip(bufs, expected, strict=True)):
@@ -73,6 +73,23 @@ def memory_problems(rig: Rig, side: DecodeSide, done: list[RequestPlan],
             out.append(f"buffer {i}: {len(bad)} of {len(b)} bytes differ "
                        f"(first at offset {int(bad[0])})")
     return out
+
+
+def landed(rig: Rig, rp: RequestPlan, side: DecodeSide | None = None) -> bool:
+    """Whether every byte the oracle says ``rp`` writes holds, on ``side`` (the rig's
+    own decode by default), the prefill byte it comes from. Only those bytes:
+    :func:`memory_problems` also checks that nothing else was written."""
+    side = side or rig.decodes[0]
+    bm = _writes(rig, side, rp)
+    return bool(np.array_equal(HostMemory(side.arena.bufs).read(bm.dst),
+                               HostMemory(rig.parena.bufs).read(bm.src)))
+
+
+def _writes(rig: Rig, side: DecodeSide, rp: RequestPlan) -> ByteMap:
+    """The oracle's writes of ``rp`` from the rig's prefill into ``side``; it must write."""
+    bm = expected_writes([rig.src], side.dst, request_of(rig.scn, rp, rig.src, side.dst))
+    assert len(bm.dst), "the oracle expects no write"
+    return bm
 
 
 def exact(rig: Rig, done: list[RequestPlan]) -> list[str]:
