@@ -20,6 +20,7 @@ from kvhandoff.transport import (
     Peer,
     TransferState,
     Transport,
+    available_transports,
     create_transport,
 )
 
@@ -233,9 +234,9 @@ def serve_as_nobody(conn: Any, name: str, nbytes: int, seed: int) -> None:
     it imports what it needs first, since the interpreter's own files may not be
     readable by nobody)."""
     from kvhandoff.lab.testing.transport import serve_peer
-    from kvhandoff.transport.registry import transport_class
 
-    transport_class(name)  # import the transport while still root
+    # import (and probe) every transport while still root: auto builds others lazily
+    available_transports()
     os.setgroups([])
     os.setresgid(NOBODY, NOBODY, NOBODY)
     os.setresuid(NOBODY, NOBODY, NOBODY)
