@@ -26,10 +26,12 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from types import FrameType
 from typing import Any, TypeVar
 
-__all__ = ["ProgressFn", "ServerError", "ServerProcess", "free_port", "free_ports", "get_text",
-           "log_tail", "post_json", "print_progress", "running"]
+__all__ = ["ProgressFn", "ServerError", "ServerProcess", "dead_url", "free_port", "free_ports",
+           "get_text", "log_tail", "post_json", "print_progress", "raising_on_sigterm",
+           "running"]
 
 ProgressFn = Callable[[float, str], None]
 """Called while waiting for a server: seconds elapsed and the last line of its log."""
@@ -52,6 +54,12 @@ def free_ports(n: int = 1, host: str = "127.0.0.1") -> list[int]:
 def free_port(host: str = "127.0.0.1") -> int:
     """One TCP port that is free now."""
     return free_ports(1, host)[0]
+
+
+def dead_url() -> str:
+    """An HTTP URL on this host where nothing listens (a port that was free just now):
+    what a client sees when its server is down."""
+    return f"http://127.0.0.1:{free_port()}"
 
 
 def log_tail(path: Path, lines: int = 40) -> str:
@@ -223,6 +231,21 @@ def running(srv: S, timeout: float, *, progress: ProgressFn | None = None) -> It
         yield srv
     finally:
         srv.stop()
+
+
+@contextlib.contextmanager
+def raising_on_sigterm(error: Callable[[int], BaseException]) -> Iterator[None]:
+    """While inside, SIGTERM raises ``error(signum)`` in the main thread, so a demo that
+    is told to stop unwinds through every server's context manager (and stops them)
+    instead of dying with its servers still running; the previous handler is back on
+    exit. Main thread only (``signal.signal``)."""
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise error(signum)
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def print_progress(name: str) -> ProgressFn:

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import pytest
 
+from kvhandoff.lab.testing.params import transport_params
 from kvhandoff.lab.testing.transport import PlanBuilder, bump, noise, serve_peer
 from kvhandoff.transport import (
     Peer,
@@ -29,16 +29,9 @@ _SHORT = {"io_timeout": 3.0, "connect_timeout": 3.0}
 OPTIONS: dict[str, dict[str, Any]] = {n: dict(_SHORT) for n in ("tcp", "shm", "cma", "auto",
                                                                 "mooncake", "nixl")}
 
-_AVAILABLE = available_transports()
-
-
 def params() -> list[Any]:
     """One pytest param per known transport; unusable ones are skipped with the reason."""
-    out = []
-    for n, (ok, reason) in _AVAILABLE.items():
-        marks = [] if ok else [pytest.mark.skip(reason=f"{n}: {reason}")]
-        out.append(pytest.param(n, marks=marks, id=n))
-    return out
+    return transport_params()
 
 
 def make(name: str, **extra: Any) -> Transport:
@@ -241,9 +234,9 @@ def serve_as_nobody(conn: Any, name: str, nbytes: int, seed: int) -> None:
     it imports what it needs first, since the interpreter's own files may not be
     readable by nobody)."""
     from kvhandoff.lab.testing.transport import serve_peer
-    from kvhandoff.transport.registry import transport_class
 
-    transport_class(name)  # import the transport while still root
+    # import (and probe) every transport while still root: auto builds others lazily
+    available_transports()
     os.setgroups([])
     os.setresgid(NOBODY, NOBODY, NOBODY)
     os.setresuid(NOBODY, NOBODY, NOBODY)

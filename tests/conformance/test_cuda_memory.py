@@ -22,11 +22,11 @@ import numpy as np
 import pytest
 from kvh_conformance import OPTIONS, serve_cuda_peer
 
+from kvhandoff.lab.testing.params import transport_params
 from kvhandoff.lab.testing.transport import PlanBuilder, bump, noise
 from kvhandoff.layout import MemoryKind, Region
 from kvhandoff.plan.model import Plan
 from kvhandoff.transport import TransferState, Transport, create_transport
-from kvhandoff.transport.registry import transport_class
 
 torch = pytest.importorskip("torch")
 
@@ -34,9 +34,7 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device here (make gpu-check runs these on a GPU)",
                 allow_module_level=True)
 
-ENGINES = [pytest.param(n, id=n, marks=[] if transport_class(n).usable().ok else [
-    pytest.mark.skip(reason=f"{n}: {transport_class(n).usable().reason}")])
-    for n in ("nixl", "mooncake")]
+ENGINES = transport_params(("nixl", "mooncake"))
 
 
 class _Side:

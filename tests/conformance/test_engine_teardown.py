@@ -21,18 +21,17 @@ from typing import Any
 import pytest
 from kvh_conformance import RemotePeer, make
 
+from kvhandoff.lab.testing.params import transport_params
 from kvhandoff.transport import (
     PeerLost,
     TransferState,
     TransportClosed,
     TransportError,
-    available_transports,
     transport_class,
 )
 
 HANG = 30.0  # longer than this is a hang, not a slow machine
 ENGINES = ("mooncake", "nixl")
-_AVAIL = available_transports()
 
 
 def _options(name: str, io_timeout: float) -> dict[str, Any]:
@@ -101,9 +100,7 @@ def test_close_with_a_frozen_peer_is_bounded(name: str, case: str) -> None:
         _resume_and_kill(remote)
 
 
-@pytest.mark.parametrize("engine", [
-    pytest.param(n, id=n, marks=[] if _AVAIL[n].ok else [
-        pytest.mark.skip(reason=f"{n}: {_AVAIL[n].reason}")]) for n in ENGINES])
+@pytest.mark.parametrize("engine", transport_params(ENGINES))
 def test_close_leaves_a_stuck_engine_teardown_behind(
         engine: str, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:

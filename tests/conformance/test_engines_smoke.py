@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from kvh_conformance import make
 
+from kvhandoff.lab.testing.params import transport_params
 from kvhandoff.layout import Region
 from kvhandoff.plan.model import Plan, TensorPlan
 from kvhandoff.transport import (
@@ -32,8 +33,7 @@ TIMEOUT = 30.0
 
 
 def engines() -> list[Any]:
-    return [pytest.param(n, id=n, marks=[] if _AVAIL[n].ok else [
-        pytest.mark.skip(reason=f"{n}: {_AVAIL[n].reason}")]) for n in ENGINES]
+    return transport_params(ENGINES)
 
 
 def _pages(src: np.ndarray, dst: np.ndarray, unit: int, si: np.ndarray, di: np.ndarray,

@@ -24,7 +24,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing import resource_tracker
 from typing import Any
@@ -33,6 +32,8 @@ import numpy as np
 import pytest
 from kvh_conformance import Pair, RemotePeer, deliver, fd_count, make, settle, thread_count
 
+from kvhandoff.lab.testing.hostile import eventually, read_frame
+from kvhandoff.lab.testing.params import transport_params
 from kvhandoff.lab.testing.transport import KINDS, PlanBuilder
 from kvhandoff.layout import Region
 from kvhandoff.plan.model import Plan, TensorPlan
@@ -41,7 +42,6 @@ from kvhandoff.transport import (
     PeerLost,
     RemoteOutOfBounds,
     TransferState,
-    available_transports,
 )
 from kvhandoff.transport.base import Handle, Peer
 from kvhandoff.transport.engines.common import EnginePeer
@@ -60,14 +60,12 @@ from kvhandoff.transport.staging import (
 from kvhandoff.transport.tcp.transport import TcpTransport
 
 ENGINES = ("mooncake", "nixl")
-_AVAIL = available_transports()
 TIMEOUT = 30.0
 SMALL = StagingConfig(slot_bytes=64 << 10, slots=8, slots_per_peer=3)  # many frames
 
 
 def engines() -> list[Any]:
-    return [pytest.param(n, id=n, marks=[] if _AVAIL[n].ok else [
-        pytest.mark.skip(reason=f"{n}: {_AVAIL[n].reason}")]) for n in ENGINES]
+    return transport_params(ENGINES)
 
 
 def _link(peer: Any) -> Any:
@@ -179,17 +177,10 @@ def _dial_option(option: str) -> tuple[socket.socket, list[list[int]]]:
 
 
 def _reply(sock: socket.socket) -> tuple[Header, bytes]:
-    hdr = b""
-    while len(hdr) < HEADER.size:
-        part = sock.recv(HEADER.size - len(hdr))
-        if not part:
-            raise EOFError
-        hdr += part
-    h = Header.unpack(hdr)
-    body = b""
-    while len(body) < h.desc_len:
-        body += sock.recv(h.desc_len - len(body))
-    return h, body
+    got = read_frame(sock)
+    if got is None:
+        raise EOFError("the staging server closed the connection")
+    return got
 
 
 def _commit(sock: socket.socket, seq: int, slot: int, rec: Records) -> int:
@@ -338,15 +329,6 @@ def _arena(transport: Any) -> Arena:
     return arena
 
 
-def _until(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
-
-
 def _lease_again(option: str, want: int, timeout: float) -> tuple[int, float]:
     """Dial until a HELLO leases ``want`` slots or ``timeout`` passes (each try says BYE,
     so what it got is free again at once): (slots leased last, when that reply came)."""
@@ -450,7 +432,7 @@ def test_slots_of_a_sender_gone_without_bye_are_quarantined(engine: str, end: st
         held, gone = _vanish(option, end)  # the receiver starts the quarantine after gone
         assert held == 3
         arena = _arena(r)
-        assert _until(lambda: arena.quarantined == 3), "the slots were not quarantined"
+        assert eventually(lambda: arena.quarantined == 3), "the slots were not quarantined"
         sock, slots = _dial_option(option)
         early = time.monotonic() < gone + quarantine
         sock.close()
@@ -540,7 +522,7 @@ def test_the_sender_says_bye_only_when_no_engine_write_may_land(mode: str) -> No
             got, _ = _lease_again(option, 3, timeout=10.0)
             assert got == 3 and arena.quarantined == 0
         else:
-            assert _until(lambda: arena.quarantined == 3), "no quarantine after an unsure write"
+            assert eventually(lambda: arena.quarantined == 3), "no quarantine after an unsure write"
             assert _lease_again(option, 1, timeout=0.2)[0] == 0
     finally:
         tx.close()
@@ -602,7 +584,7 @@ def test_a_bye_out_of_place_is_refused(case: str) -> None:
         greeted = raw.startswith(hello)
         assert len(frames) == 1 + greeted
         if greeted:
-            assert _until(lambda: arena.quarantined == 3), "a malformed BYE freed the slots"
+            assert eventually(lambda: arena.quarantined == 3), "a malformed BYE freed the slots"
         else:
             assert arena.quarantined == 0
         sock, slots = _dial_option(option)  # still serving
@@ -612,7 +594,7 @@ def test_a_bye_out_of_place_is_refused(case: str) -> None:
             assert _commit(sock, 1, 0, page) == Status.OK
             sock.sendall(_BYE)
             assert _answer(sock) == [], "BYE has no reply"
-        assert _until(lambda: arena.quarantined == 3 * greeted)  # that BYE freed its slots
+        assert eventually(lambda: arena.quarantined == 3 * greeted)  # that BYE freed its slots
         assert settle(thread_count, threads0) <= threads0
     finally:
         rx.close()

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from kvh_conformance import Pair, settle, thread_count
 
-from kvhandoff.lab.testing.transport import KINDS, PlanBuilder
+from kvhandoff.lab.testing.hostile import until_closed
+from kvhandoff.lab.testing.transport import KINDS, PlanBuilder, page_plan
 from kvhandoff.layout import Region
 from kvhandoff.memory import raw_view
 from kvhandoff.plan.execute import HostMemory, execute
@@ -178,19 +179,6 @@ def _raw(ep: bytes, *, authenticate: bool = False) -> socket.socket:
     return s
 
 
-def _reply_or_eof(s: socket.socket) -> bytes:
-    """Read until the server closes the connection (it must, after a bad frame)."""
-    out = b""
-    while True:
-        try:
-            part = s.recv(65536)
-        except ConnectionResetError:  # closed with our unread bytes pending: also a drop
-            return out
-        if not part:
-            return out
-        out += part
-
-
 PRE_AUTH = ("garbage", "bad-version", "wrong key", "frame instead of answer")
 
 
@@ -246,7 +234,7 @@ def test_malformed_frames_drop_the_connection_not_the_server(payload: str) -> No
         sock.sendall(raw)
         if payload == "truncated":
             sock.shutdown(socket.SHUT_WR)  # the sender vanishes mid-payload
-        answer = _reply_or_eof(sock)
+        answer = until_closed(sock)
         sock.close()
         if payload in PRE_AUTH:  # refused with a REFUSED frame, nothing else
             assert answer.startswith(b"KVHA") and len(answer) == SERVER_FRAME, answer
@@ -259,11 +247,7 @@ def test_malformed_frames_drop_the_connection_not_the_server(payload: str) -> No
         # the server still serves a well-behaved client
         src = np.full(4096, 7, np.uint8)
         s.register(src)
-        p = Plan(entries=(TensorPlan(
-            component="c", tensor="t", layer_id=0, src_ptr=int(src.ctypes.data),
-            dst_ptr=int(dst.ctypes.data), src_unit=4096, dst_unit=4096,
-            src_idx=np.array([0]), dst_idx=np.array([2]),
-            pieces=np.array([[0, 0, 4096, 1, 4096, 4096]])),))
+        p = page_plan(src, dst, 2)
         peer = s.connect(ep)
         h = s.submit(peer, p)
         assert s.wait(h, TIMEOUT) is TransferState.DONE, h.error
@@ -301,6 +285,6 @@ def test_sink_batches_gathers_and_flushes_when_full() -> None:
             sink.chunk(c, table)
         sink.flush()
         a.shutdown(socket.SHUT_WR)
-        got = _reply_or_eof(b)
+        got = until_closed(b)
     rows = [src[u * 1000 + r * 200:u * 1000 + r * 200 + 100] for u in (4, 0, 2) for r in range(3)]
     assert got == np.concatenate(rows * 2).tobytes()

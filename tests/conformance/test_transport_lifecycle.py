@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from kvh_conformance import Pair, fd_count, make, settle, thread_count
 
-from kvhandoff.lab.testing.transport import noise
+from kvhandoff.lab.testing.transport import noise, page_plan
 from kvhandoff.layout import Region, TensorSpec
 from kvhandoff.transport import (
     Handle,
@@ -115,13 +115,7 @@ def test_closed_transport_and_peer_refuse_work(name: str) -> None:
     peer = t.connect(r.endpoint())
     peer.close()
     peer.close()
-    from kvhandoff.plan.model import Plan, TensorPlan
-
-    p = Plan(entries=(TensorPlan(
-        component="c", tensor="t", layer_id=0, src_ptr=int(src.ctypes.data),
-        dst_ptr=int(buf.ctypes.data), src_unit=4096, dst_unit=4096,
-        src_idx=np.array([0]), dst_idx=np.array([0]),
-        pieces=np.array([[0, 0, 4096, 1, 4096, 4096]])),))
+    p = page_plan(src, buf, 0)
     with pytest.raises(TransportClosed):
         t.submit(peer, p)
     t.close()

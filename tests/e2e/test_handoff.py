@@ -17,6 +17,7 @@ import pytest
 
 from kvhandoff.bootstrap.server import BootstrapServer
 from kvhandoff.lab.testing.handoff import RequestPlan, Scenario, Topology
+from kvhandoff.lab.testing.params import transport_params
 from kvhandoff.lab.testing.sides import RunResult, WorkerPair, run_scenario
 
 _names = itertools.count()
@@ -153,11 +154,7 @@ ENGINES = ["shm", "cma", "auto", "mooncake", "nixl"]
 def _engine_params() -> list[object]:
     """The other transports, and tcp with statuses over the control socket instead of
     in band (the path every transport without notices takes)."""
-    from kvhandoff.transport import available_transports
-    avail = available_transports()
-    return [pytest.param(n, id=n, marks=[] if avail[n].ok else [
-        pytest.mark.skip(reason=f"{n}: {avail[n].reason}")]) for n in ENGINES] + [
-        pytest.param("tcp-control", id="tcp-control")]
+    return [*transport_params(ENGINES), pytest.param("tcp-control", id="tcp-control")]
 
 
 def _on(transport: str) -> dict[str, object]:

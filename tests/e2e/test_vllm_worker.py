@@ -26,14 +26,12 @@ from kvhandoff.integrations.vllm.host_staging import HostStaging, kv_memory, ten
 from kvhandoff.integrations.vllm.layout import GroupInfo, MambaInfo, TensorInfo, build_layout
 from kvhandoff.integrations.vllm.requests import RecvReq, SendReq, StepMeta
 from kvhandoff.integrations.vllm.worker import WorkerSide
+from kvhandoff.lab.testing.faulty import CountingTcp
 from kvhandoff.lab.testing.vllm_dump import block_bytes
 from kvhandoff.layout import Region
-from kvhandoff.plan import Plan
-from kvhandoff.protocol import decode_notice
 from kvhandoff.session.config import SessionConfig
-from kvhandoff.transport.base import Handle, Peer, Transport
+from kvhandoff.transport.base import Transport
 from kvhandoff.transport.registry import transport_class
-from kvhandoff.transport.tcp.transport import TcpTransport
 
 BLOCKS, BS, HEADS, C = 8, 32, 2, 128  # C: K|V of one token, bf16 elements
 PAGE = HEADS * BS * C * 2
@@ -354,18 +352,6 @@ def test_closing_a_worker_closes_its_staging_after_its_transport() -> None:
             w.staging.close = lambda c=staging_close, o=order: (o.append("staging"), c())[1]
             w.close()
             assert order == ["agent", "staging"]
-
-
-class CountingTcp(TcpTransport):
-    """Records how many statuses each submit's in-band notice carried."""
-
-    def __init__(self) -> None:
-        super().__init__(data_secret=SessionConfig().data_key())  # as the rig's agents
-        self.notices: list[int] = []
-
-    def submit(self, peer: Peer, plan: Plan, *, notice: bytes | None = None) -> Handle:
-        self.notices.append(0 if notice is None else len(decode_notice(notice).statuses))
-        return super().submit(peer, plan, notice=notice)
 
 
 def test_a_steps_sends_whose_indices_are_in_go_out_as_one_write() -> None:

@@ -8,38 +8,13 @@ from __future__ import annotations
 
 import threading
 
-import numpy as np
-
 from kvhandoff.bootstrap.server import BootstrapServer
-from kvhandoff.lab.testing.handoff import request_of
-from kvhandoff.lab.testing.oracle import expected_writes
+from kvhandoff.lab.testing.faulty import CountingTcp
+from kvhandoff.lab.testing.hostile import landed
 from kvhandoff.lab.testing.rig import Rig
-from kvhandoff.plan.execute import HostMemory
-from kvhandoff.plan.model import Plan
-from kvhandoff.protocol import Abort, Message, TransferInit, TransferInits, decode_notice
-from kvhandoff.session import SessionConfig, Status
+from kvhandoff.protocol import Abort, Message, TransferInit, TransferInits
+from kvhandoff.session import Status
 from kvhandoff.session.control.channel import Origin
-from kvhandoff.transport.base import Handle, Peer
-from kvhandoff.transport.errors import TransportClosed
-from kvhandoff.transport.tcp.transport import TcpTransport
-
-
-class CountingTcp(TcpTransport):
-    """Records how many statuses each submit's notice carried; ``refuse``: the next
-    submit with several of them is refused, as a closed peer's would be."""
-
-    def __init__(self) -> None:
-        super().__init__(data_secret=SessionConfig().data_key())  # as the rig's agents
-        self.notices: list[int] = []
-        self.refuse = False
-
-    def submit(self, peer: Peer, plan: Plan, *, notice: bytes | None = None) -> Handle:
-        n = 0 if notice is None else len(decode_notice(notice).statuses)
-        if self.refuse and n > 1:
-            self.refuse = False
-            raise TransportClosed("injected: peer closed by its owner")
-        self.notices.append(n)
-        return super().submit(peer, plan, notice=notice)
 
 
 def test_requests_handed_over_together_share_writes_and_land_byte_exact(
@@ -63,11 +38,8 @@ def test_requests_handed_over_together_share_writes_and_land_byte_exact(
         rounds = max(len(chunks) for _, chunks, _ in sends)
         assert t.notices == [3] * rounds, t.notices  # one write per chunk round, 3 statuses
         assert rig.decode.stats["in_band_statuses"] == 3 * rounds
-        mem_d, mem_p = HostMemory(rig.darena.bufs), HostMemory(rig.parena.bufs)
         for rp in plans:
-            bm = expected_writes([rig.src], rig.dst, request_of(rig.scn, rp, rig.src, rig.dst))
-            assert len(bm.dst)
-            assert np.array_equal(mem_d.read(bm.dst), mem_p.read(bm.src)), "bytes differ"
+            assert landed(rig, rp), "bytes differ"
     finally:
         rig.close()
 
@@ -140,9 +112,7 @@ def test_a_decode_step_sends_its_indices_in_one_message_and_each_lands(
             assert recvs[i].wait(10) is want, recvs[i].reason
             assert s.wait(10) is want, s.reason
         assert "aborted by decode" in str(sends[2][0].reason)
-        mem_d, mem_p = HostMemory(rig.darena.bufs), HostMemory(rig.parena.bufs)
         for rp in plans[:2] + plans[3:]:
-            bm = expected_writes([rig.src], rig.dst, request_of(rig.scn, rp, rig.src, rig.dst))
-            assert np.array_equal(mem_d.read(bm.dst), mem_p.read(bm.src)), "bytes differ"
+            assert landed(rig, rp), "bytes differ"
     finally:
         rig.close()

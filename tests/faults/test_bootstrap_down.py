@@ -3,28 +3,19 @@ each request with the reason after bootstrap_timeout; nothing leaks."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 
 from kvhandoff.bootstrap.server import BootstrapServer
+from kvhandoff.lab.servers import dead_url
 from kvhandoff.lab.testing.handoff import DECODE, PREFILL, Arena, Topology, layout_of
 from kvhandoff.lab.testing.rig import Rig, config
 from kvhandoff.session import Agent, BootstrapFailed, Receiver, Status
-
-
-def _dead_url() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
-
 
 TOPO = Topology(shape="qwen3_next", num_pages=32)
 
 
 def test_prefill_cannot_start_without_bootstrap(instance: str) -> None:
-    url = _dead_url()
+    url = dead_url()
     src = layout_of(TOPO, PREFILL, 0, 0, Arena((0, 0, 0, 0, 0)))
     with pytest.raises(BootstrapFailed, match=r"could not register.*unavailable"):
         Agent.prefill(src, bootstrap_url=url, config=config(instance))
@@ -33,7 +24,7 @@ def test_prefill_cannot_start_without_bootstrap(instance: str) -> None:
 def test_decode_request_fails_after_bootstrap_timeout(instance: str) -> None:
     dst = layout_of(TOPO, DECODE, 0, 0, Arena((0, 1, 0, 0, 0)))
     with Agent.decode(dst, config=config(instance, bootstrap_timeout=1.0)) as d:
-        r = Receiver(d, _dead_url(), 1)
+        r = Receiver(d, dead_url(), 1)
         assert r.wait(10) is Status.FAILED
         assert isinstance(r.error, BootstrapFailed)
         assert "not found within bootstrap_timeout" in str(r.error)

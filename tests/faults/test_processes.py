@@ -23,6 +23,7 @@ import pytest
 
 from kvhandoff.bootstrap.server import BootstrapServer
 from kvhandoff.lab.testing.handoff import RequestPlan, Scenario, Topology
+from kvhandoff.lab.testing.params import transport_params
 from kvhandoff.lab.testing.sides import (
     PATIENCE,
     Outcome,
@@ -101,16 +102,9 @@ def dead_peer_dropped(report: SideReport, alive: int) -> None:
         f"decode peers per prefill rank {peers}, want {alive}"
 
 
-def _engine_params() -> list[Any]:
-    """The other transports (as in tests/e2e), each skipped where it cannot run."""
-    from kvhandoff.transport import available_transports
-    avail = available_transports()
-    return [pytest.param(n, id=n, marks=[] if avail[n].ok else [
-        pytest.mark.skip(reason=f"{n}: {avail[n].reason}")]) for n in ENGINES]
-
-
 ENGINES = ["shm", "cma", "mooncake", "nixl"]
-TRANSPORTS = [pytest.param("tcp", id="tcp"), *_engine_params()]
+# tcp, then the other transports (as in tests/e2e), each skipped where it cannot run
+TRANSPORTS = [pytest.param("tcp", id="tcp"), *transport_params(ENGINES)]
 
 
 # The write delay that keeps prefill's writes in flight at an abort is a tcp wrapper

@@ -1,6 +1,7 @@
 """Fixtures of the hostile-client tests: a deployment secret, a bootstrap server that
 requires it, and a raw HTTP client that sends exactly what a test tells it to (no
-signing, no validation, no retries), as an attacker would."""
+signing, no validation, no retries), as an attacker would, and a ZeroMQ context for its
+control-plane sockets."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any
 
 import msgspec
 import pytest
+import zmq
 
 from kvhandoff.bootstrap.auth import sign
 from kvhandoff.bootstrap.client import RankRecord
@@ -74,6 +76,14 @@ class Raw:
 
     def lookup(self, instance: str = "prod", query: str = "") -> tuple[int, dict[str, Any]]:
         return self.send("GET", f"/v1/instances/{instance}" + (f"?{query}" if query else ""))
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
+    """A ZeroMQ context for an attacker's own sockets, terminated after the test."""
+    c: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    yield c
+    c.term()
 
 
 @pytest.fixture

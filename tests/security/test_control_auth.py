@@ -59,13 +59,6 @@ HINT = "control message not authenticated: is KVHANDOFF_SECRET_FILE the same on 
 
 
 @pytest.fixture
-def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
-    c: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    yield c
-    c.term()
-
-
-@pytest.fixture
 def arig(secure: BootstrapServer, instance: str, secret_file: str) -> Iterator[Rig]:
     """The rig, both agents holding the deployment secret."""
     r = Rig(secure.url, instance, prefill_cfg={"secret_file": secret_file},

@@ -27,7 +27,7 @@ from kvhandoff.lab.testing.fixtures import (
     open_bootstrap,
     open_rig,
 )
-from kvhandoff.lab.testing.hostile import Impostor, eventually, exact, hello_as
+from kvhandoff.lab.testing.hostile import Impostor, eventually, exact, hello_as, prefill_desk
 from kvhandoff.lab.testing.rig import Rig
 from kvhandoff.protocol import (
     Abort,
@@ -45,7 +45,6 @@ from kvhandoff.session import Sender, Status
 from kvhandoff.session.peers import decode_ranks as peers
 from kvhandoff.session.peers import prefill_groups as groups
 from kvhandoff.session.rank import backlog
-from kvhandoff.session.rank.prefill_desk import PrefillDesk
 from kvhandoff.session.request.chunks import KvCursor
 from kvhandoff.transport import Transport, create_transport
 
@@ -59,25 +58,12 @@ def rig(open_rig: Rig) -> Rig:
 
 
 @pytest.fixture
-def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
-    c: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    yield c
-    c.term()
-
-
-@pytest.fixture
 def attacker_tcp() -> Iterator[Transport]:
     """The attacker's own tcp transport: what its Hellos name as their data endpoint."""
     t = create_transport("tcp")
     t.endpoint()
     yield t
     t.close()
-
-
-def _desk(rig: Rig) -> PrefillDesk:
-    desk = rig.prefill._desk
-    assert isinstance(desk, PrefillDesk)
-    return desk
 
 
 def _handshaken(rig: Rig, ctx: zmq.Context[zmq.Socket[bytes]], tcp: Transport) -> Impostor:
@@ -165,7 +151,7 @@ def test_a_flood_of_aborts_cannot_evict_a_real_tombstone(
     rig.handoff(first)
     doomed = Sender(rig.prefill, 500)
     doomed.abort("the engine gave up")
-    desk = _desk(rig)
+    desk = prefill_desk(rig)
     assert doomed.wait(5) is Status.FAILED
     assert eventually(lambda: 500 in desk.backlog.tombstones)
     rank = hello_as(rig.decode, control_endpoint="", transport_endpoint=b"").rank
@@ -186,7 +172,7 @@ def test_buffered_indices_ids_and_reasons_are_bounded(
     monkeypatch.setattr(backlog, "MAX_INIT_BYTES", 64 << 10)
     first = rig.plan(1)
     rig.handoff(first)
-    desk = _desk(rig)
+    desk = prefill_desk(rig)
     imp = _handshaken(rig, ctx, attacker_tcp)
     try:
         rank = hello_as(rig.decode, control_endpoint="", transport_endpoint=b"").rank
@@ -286,7 +272,7 @@ def test_the_handshake_waits_for_the_whole_bootstrap_timeout(
     rig = Rig(open_bootstrap.url, instance, prefill_cfg=OPEN,
               decode_cfg={**OPEN, "bootstrap_timeout": 30.0})
     try:
-        answers = _desk(rig).peers
+        answers = prefill_desk(rig).peers
         answer = answers.answer
 
         def late(sender: str | None, hello: Hello) -> None:

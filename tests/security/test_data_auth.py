@@ -29,9 +29,17 @@ import pytest
 
 from kvhandoff.bootstrap.server import BootstrapServer
 from kvhandoff.lab.testing.fixtures import bootstrap, instance, no_leaked_threads, rig
-from kvhandoff.lab.testing.hostile import eventually, exact, frame, memory_problems
+from kvhandoff.lab.testing.hostile import (
+    dial,
+    eventually,
+    exact,
+    frame,
+    memory_problems,
+    refusal,
+    until_closed,
+)
 from kvhandoff.lab.testing.rig import Rig
-from kvhandoff.plan.model import Plan, TensorPlan
+from kvhandoff.lab.testing.transport import page_plan
 from kvhandoff.secret import PURPOSE_DATA, Secret, write_secret_file
 from kvhandoff.session import Status
 from kvhandoff.transport import ConnectError, TransferState
@@ -41,7 +49,6 @@ from kvhandoff.transport.framing.handshake import (
     CLIENT_FRAME,
     SERVER_FRAME,
     ClientHandshake,
-    HandshakeFailed,
     ServerHandshake,
     derive_key,
 )
@@ -75,38 +82,10 @@ def _serving(name: str) -> int:
     return sum(t.name == f"kvh-{name}-serve" for t in threading.enumerate())
 
 
-def _dial(host: str, port: int) -> socket.socket:
-    s = socket.create_connection((host, port), timeout=TIMEOUT)
-    s.settimeout(TIMEOUT)
-    return s
-
-
-def _until_closed(s: socket.socket) -> bytes:
-    """Everything the server sends until it closes ``s`` (a reset counts as closed)."""
-    out = b""
-    while True:
-        try:
-            part = s.recv(4096)
-        except ConnectionError:
-            return out
-        if not part:
-            return out
-        out += part
-
-
-def _refusal(data: bytes) -> str:
-    """The reason in the REFUSED frame that ``data`` ends with ("" if none)."""
-    try:
-        ClientHandshake.new(b"k", "00" * 8, peer="server").answer(data[-SERVER_FRAME:])
-    except HandshakeFailed as e:
-        return str(e) if "refused" in str(e) else ""
-    return ""
-
-
 def _wrong_key_attempt(host: str, port: int, endpoint_id: str, key: bytes) -> str:
     """One whole handshake with ``key``: the server's refusal reason, or "" if it
     accepted (then a well-behaved client would be talking)."""
-    with _dial(host, port) as s:
+    with dial(host, port) as s:
         try:
             prove(s, key=key, endpoint_id=endpoint_id, timeout=TIMEOUT, peer="victim")
         except ConnectError as e:
@@ -130,7 +109,7 @@ def test_no_key_is_refused_before_allocation_and_resources_stay_bounded(rig: Rig
     held = []
     try:
         for _ in range(20):
-            s = _dial(ep.host, ep.port)
+            s = dial(ep.host, ep.port)
             held.append(s)
             assert len(s.recv(SERVER_FRAME, socket.MSG_WAITALL)) == SERVER_FRAME
             s.sendall(frame(Kind.WRITE, b"x", desc_len=MAX_DESC, payload_len=1 << 30))
@@ -220,7 +199,7 @@ class Impostor:
             # the client's nonce is in its ANSWER: the impostor proves its own key for it
             mine = ClientHandshake(self.key, self.endpoint_id, answer[8:40], "self")
             conn.sendall(hs.verdict(mine.answer(hs.challenge())))
-            self.received.append(answer + _until_closed(conn))
+            self.received.append(answer + until_closed(conn))
 
     def close(self) -> None:
         self.listener.close()
@@ -270,11 +249,7 @@ def test_connections_per_address_are_capped(caplog: pytest.LogCaptureFixture,
         assert "it holds 2 connections already (max_connections_per_host)" in caplog.text
         src = np.full(4096, 5, np.uint8)
         s1.register(src)
-        plan = Plan(entries=(TensorPlan(
-            component="c", tensor="t", layer_id=0, src_ptr=int(src.ctypes.data),
-            dst_ptr=int(dst.ctypes.data), src_unit=4096, dst_unit=4096,
-            src_idx=np.array([0]), dst_idx=np.array([3]),
-            pieces=np.array([[0, 0, 4096, 1, 4096, 4096]])),))
+        plan = page_plan(src, dst, 3)
         h = s1.submit(p1, plan)
         assert s1.wait(h, TIMEOUT) is TransferState.DONE, h.error  # the capped peer works
         p1.close()
@@ -395,11 +370,11 @@ def test_staging_refuses_strangers_before_leasing_and_caps_each_address(
         for key in (info["token"].encode(), b"guess"):  # the sniffed token; a guess
             assert "refused our proof" in _wrong_key_attempt(info["host"], info["port"],
                                                              info["id"], key)
-        with _dial(info["host"], info["port"]) as s:  # a 64 MiB HELLO: never read
+        with dial(info["host"], info["port"]) as s:  # a 64 MiB HELLO: never read
             assert len(s.recv(SERVER_FRAME, socket.MSG_WAITALL)) == SERVER_FRAME
             s.sendall(frame(Kind.HELLO, b"x" * (CLIENT_FRAME - HEADER.size),
                             desc_len=MAX_DESC))
-            assert "refused our proof" in _refusal(_until_closed(s))
+            assert "refused our proof" in refusal(until_closed(s))
         assert rx.slots_in_use == 0, "a stranger was leased slots"
         assert eventually(lambda: _fds() <= fds0 + 1)
         plain = _staging_sender(config, None)
@@ -454,21 +429,17 @@ def test_shm_hands_its_arenas_only_to_a_peer_that_proves_the_key() -> None:
             raw.sendall(ClientHandshake.new(ep["token"].encode(), ep["id"], peer="shm")
                         .answer(challenge))  # the token alone: the secret is missing
             data, fds, _flags, _addr = socket.recv_fds(raw, 4096, 16)
-            rest = data + _until_closed(raw)
+            rest = data + until_closed(raw)
             for fd in fds:
                 os.close(fd)
             assert fds == [], "the arenas went to a stranger"
-            assert "refused our proof" in _refusal(rest)
+            assert "refused our proof" in refusal(rest)
         with pytest.raises(ConnectError, match="refused our proof"):
             thief.connect(r.endpoint())
         src = np.full(4096, 9, np.uint8)
         s.register(src)
         peer = s.connect(r.endpoint())
-        plan = Plan(entries=(TensorPlan(
-            component="c", tensor="t", layer_id=0, src_ptr=int(src.ctypes.data),
-            dst_ptr=int(dst.ctypes.data), src_unit=4096, dst_unit=4096,
-            src_idx=np.array([0]), dst_idx=np.array([1]),
-            pieces=np.array([[0, 0, 4096, 1, 4096, 4096]])),))
+        plan = page_plan(src, dst, 1)
         h = s.submit(peer, plan)
         assert s.wait(h, TIMEOUT) is TransferState.DONE, h.error
         assert (dst[4096:8192] == 9).all() and not dst[:4096].any() and not dst[8192:].any()

@@ -18,11 +18,12 @@ import pytest
 from kvhandoff.bootstrap.server import BootstrapServer
 from kvhandoff.lab.testing.fixtures import bootstrap, instance, no_leaked_threads
 from kvhandoff.lab.testing.hostile import exact
+from kvhandoff.lab.testing.params import transport_params
 from kvhandoff.lab.testing.rig import Rig
 from kvhandoff.lab.testing.transport import PlanBuilder, noise
 from kvhandoff.secret import PURPOSE_DATA, Secret, data_key, write_secret_file
 from kvhandoff.session.config import SessionConfig
-from kvhandoff.transport import ConnectError, TransferState, available_transports
+from kvhandoff.transport import ConnectError, TransferState
 from kvhandoff.transport.engines.common import EnginePeer
 from kvhandoff.transport.framing.served import prove
 from kvhandoff.transport.registry import create_transport
@@ -34,12 +35,10 @@ DATA_KEY = Secret.from_bytes(b"kvhandoff engine staging test secret, 32+").key(P
 TIMEOUT = 30.0
 OPTIONS: dict[str, Any] = {"io_timeout": 5.0, "connect_timeout": 5.0,
            "staging": StagingConfig(slot_bytes=64 << 10, slots=8, slots_per_peer=2)}
-_AVAIL = available_transports()
 
 
 def engines() -> list[object]:
-    return [pytest.param(n, id=n, marks=[] if _AVAIL[n].ok else [
-        pytest.mark.skip(reason=f"{n}: {_AVAIL[n].reason}")]) for n in ("mooncake", "nixl")]
+    return transport_params(("mooncake", "nixl"))
 
 
 @pytest.mark.parametrize("engine", engines())

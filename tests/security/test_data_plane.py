@@ -16,7 +16,15 @@ from pathlib import Path
 import pytest
 
 from kvhandoff.lab.testing.fixtures import bootstrap, instance, no_leaked_threads, rig
-from kvhandoff.lab.testing.hostile import data_port, exact, frame, read_reply
+from kvhandoff.lab.testing.hostile import (
+    data_port,
+    dial,
+    exact,
+    frame,
+    read_reply,
+    refusal,
+    until_closed,
+)
 from kvhandoff.lab.testing.rig import Rig
 from kvhandoff.transport import staging
 from kvhandoff.transport.errors import ProtocolError
@@ -24,8 +32,6 @@ from kvhandoff.transport.framing import served as _served
 from kvhandoff.transport.framing.handshake import (
     CLIENT_FRAME,
     SERVER_FRAME,
-    ClientHandshake,
-    HandshakeFailed,
     derive_key,
 )
 from kvhandoff.transport.framing.served import prove
@@ -37,33 +43,6 @@ FIXTURES = (bootstrap, instance, no_leaked_threads, rig)  # imported for pytest
 VICTIM = Path(__file__).with_name("emfile_victim.py")
 
 
-def _dial(host: str, port: int, timeout: float = 10.0) -> socket.socket:
-    s = socket.create_connection((host, port), timeout=timeout)
-    s.settimeout(timeout)
-    return s
-
-
-def _until_closed(s: socket.socket) -> bytes:
-    """Everything the server sends until it closes ``s`` (a reset counts as closed)."""
-    out = b""
-    while True:
-        try:
-            part = s.recv(4096)
-        except ConnectionError:
-            return out
-        if not part:
-            return out
-        out += part
-
-
-def _refused(data: bytes) -> bool:
-    """Whether ``data`` ends with a handshake REFUSED frame."""
-    try:
-        ClientHandshake.new(b"k", "00" * 8, peer="x").answer(data[-SERVER_FRAME:])
-    except HandshakeFailed as e:
-        return "refused" in str(e)
-    return False
-
 
 @pytest.mark.parametrize("kind", [Kind.HELLO, Kind.WRITE])
 def test_a_huge_frame_before_the_handshake_is_never_read(rig: Rig, kind: Kind) -> None:
@@ -72,10 +51,10 @@ def test_a_huge_frame_before_the_handshake_is_never_read(rig: Rig, kind: Kind) -
     allocated 64 MiB per connection, H5)."""
     rig.handoff(rig.plan(1))
     host, port, _ = data_port(rig.decode)
-    with _dial(host, port) as s:
+    with dial(host, port) as s:
         assert s.recv(SERVER_FRAME, socket.MSG_WAITALL).startswith(b"KVHA")  # the challenge
         s.sendall(frame(kind, b"x" * (CLIENT_FRAME - HEADER.size), desc_len=MAX_DESC))
-        assert _refused(_until_closed(s))
+        assert refusal(until_closed(s))
     rig.handoff(rig.plan(2, block=2))
     assert exact(rig, [rig.plan(1), rig.plan(2, block=2)]) == []
 
@@ -86,18 +65,18 @@ def test_staging_refuses_a_huge_hello_before_allocating() -> None:
                                    arena=arena, slots_per_peer=1, table=RegionTable,
                                    io_timeout=10.0, quarantine=1.0)
     try:
-        with _dial(server.host, server.port) as s:
+        with dial(server.host, server.port) as s:
             assert s.recv(SERVER_FRAME, socket.MSG_WAITALL).startswith(b"KVHA")
             s.sendall(frame(Kind.HELLO, b"x" * (CLIENT_FRAME - HEADER.size),
                             desc_len=MAX_DESC))
-            assert _refused(_until_closed(s))
-        with _dial(server.host, server.port) as s:  # the real key still works, and after
+            assert refusal(until_closed(s))
+        with dial(server.host, server.port) as s:  # the real key still works, and after
             prove(s, key=b"t" * 32, endpoint_id="ab" * 8, timeout=10, peer="staging")
             s.settimeout(10)
             s.sendall(frame(Kind.HELLO, b"x", desc_len=MAX_DESC))  # it: a non-empty HELLO
             reply = read_reply(s)  # is refused from its header
             assert reply is not None and reply[0] is Status.MALFORMED, reply
-        with _dial(server.host, server.port) as s:
+        with dial(server.host, server.port) as s:
             prove(s, key=b"t" * 32, endpoint_id="ab" * 8, timeout=10, peer="staging")
             s.settimeout(10)
             s.sendall(frame(Kind.HELLO))
@@ -117,12 +96,12 @@ def tight_caps(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 def test_silent_connections_are_capped_and_cut(rig: Rig, tight_caps: None) -> None:
     rig.handoff(rig.plan(1))
     host, port, _ = data_port(rig.decode)
-    idle = [_dial(host, port) for _ in range(4)]
+    idle = [dial(host, port) for _ in range(4)]
     try:
-        with _dial(host, port) as extra:  # over MAX_UNPROVEN_PER_HOST: refused at once
-            assert _refused(_until_closed(extra))
+        with dial(host, port) as extra:  # over MAX_UNPROVEN_PER_HOST: refused at once
+            assert refusal(until_closed(extra))
         for s in idle:  # never answered the challenge: cut after HELLO_DEADLINE_S
-            assert len(_until_closed(s)) <= SERVER_FRAME  # at most the challenge
+            assert len(until_closed(s)) <= SERVER_FRAME  # at most the challenge
     finally:
         for s in idle:
             s.close()
@@ -136,7 +115,7 @@ def test_a_record_count_that_wraps_int64_is_malformed(rig: Rig) -> None:
     ep = TcpEndpoint.parse(rig.decode.transport.endpoint())
     ptr = int(rig.darena.bufs[0].ctypes.data)  # 1 × 4096 B × 2**52 rows = 2**64 B
     table = struct.pack("<q7qq", 1, ptr, 0, 0, 4096, 1 << 52, 0, 1, 0)
-    with _dial(ep.host, ep.port) as s:
+    with dial(ep.host, ep.port) as s:
         # a peer that passed the handshake: the deployment's data key and the token
         key = derive_key(ep.token.encode(), rig.prefill_cfg.data_key())
         prove(s, key=key, endpoint_id=ep.id, timeout=10, peer="decode")
@@ -167,7 +146,7 @@ def test_the_accept_loop_survives_running_out_of_descriptors() -> None:
         assert line[:1] == ["HOGGED"], (line, proc.stderr.read() if proc.stderr else "")
         host, port, control = line[1], int(line[2]), int(line[3])
         # accept() now fails: EMFILE
-        conns = [_dial(host, p) for p in (port, control) for _ in range(3)]
+        conns = [dial(host, p) for p in (port, control) for _ in range(3)]
         proc.stdin.write("CONNECTED\n")
         proc.stdin.flush()
         out, err = proc.communicate(timeout=90)

@@ -11,7 +11,6 @@ import argparse
 import dataclasses
 import os
 import re
-import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -21,6 +20,7 @@ import pytest
 
 from kvhandoff.lab import cli, demo
 from kvhandoff.lab.demo_worker import WorkerSpec, decode_main, session_config
+from kvhandoff.lab.servers import dead_url
 from kvhandoff.lab.testing.handoff import DECODE, PREFILL, Arena, Topology, layout_of
 from kvhandoff.session import Agent, BootstrapFailed, Receiver, SessionConfig, Status
 from kvhandoff.session.config import (
@@ -44,13 +44,6 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for f in dataclasses.fields(SessionConfig):
         monkeypatch.setenv(env_name(f.name), "")  # recorded, so restored on teardown
         monkeypatch.delenv(env_name(f.name))
-
-
-def _dead_url() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
 
 
 # -- (i) defaults -----------------------------------------------------------------------------
@@ -84,7 +77,7 @@ def test_env_timeout_reaches_a_decode_agent_without_config(
         assert d.config.bootstrap_timeout == 1.0 and d.config.heartbeat_timeout == 2.5
         assert d.config.transfer_timeout == DEFAULTS["transfer_timeout"]
         t0 = time.monotonic()
-        r = Receiver(d, _dead_url(), 1)
+        r = Receiver(d, dead_url(), 1)
         assert r.wait(10) is Status.FAILED  # the default (30 s) would not fail in 10
         took = time.monotonic() - t0
         assert isinstance(r.error, BootstrapFailed)
@@ -100,7 +93,7 @@ def test_env_reaches_a_prefill_agent_without_config(monkeypatch: pytest.MonkeyPa
     src = layout_of(TOPO, PREFILL, 0, 0, Arena((0, 0, 0, 0, 0)))
     with pytest.raises(ValueError, match=r"indices_timeout must be a positive.*"
                                          r"KVHANDOFF_INDICES_TIMEOUT='-3'"):
-        Agent.prefill(src, bootstrap_url=_dead_url())
+        Agent.prefill(src, bootstrap_url=dead_url())
 
 
 # -- (iii) code and flags beat the environment -------------------------------------------------

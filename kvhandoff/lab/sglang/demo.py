@@ -35,16 +35,14 @@ import argparse
 import json
 import random
 import shutil
-import signal
 import statistics
 import sys
 import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from types import FrameType
 
-from kvhandoff.lab.servers import print_progress
+from kvhandoff.lab.servers import print_progress, raising_on_sigterm
 from kvhandoff.lab.sglang.client import Answer, stream
 from kvhandoff.lab.sglang.env import sglang_python, venv_hint
 from kvhandoff.lab.sglang.models import END_TO_END, MODELS
@@ -163,10 +161,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
 
 
-def _terminate(signum: int, frame: FrameType | None) -> None:
-    raise SystemExit(128 + signum)  # unwinds through every server's context manager
-
-
 def run_main(args: argparse.Namespace) -> int:
     py = sglang_python()
     if not py.exists():
@@ -176,13 +170,13 @@ def run_main(args: argparse.Namespace) -> int:
     backends = args.backend or list(BACKENDS)
     lengths = [int(t) for t in args.tokens.split(",") if t.strip()]
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="kvhandoff-demo-sglang-"))
-    signal.signal(signal.SIGTERM, _terminate)
     rows: list[Row] = []
     print(format_rows([]), flush=True)
     try:
-        for model in models:
-            rows += run_model(model, backends, lengths, repeat=args.repeat,
-                              max_new_tokens=args.max_new_tokens, log_dir=work / model)
+        with raising_on_sigterm(lambda signum: SystemExit(128 + signum)):
+            for model in models:
+                rows += run_model(model, backends, lengths, repeat=args.repeat,
+                                  max_new_tokens=args.max_new_tokens, log_dir=work / model)
     except Exception as e:  # a server that would not start, a request that failed
         print(f"FAILED: {type(e).__name__}: {e}\nlogs: {work}", file=sys.stderr)
         return 1

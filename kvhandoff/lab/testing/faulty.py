@@ -1,5 +1,8 @@
 """Transports that misbehave on purpose, for fault tests. Test support only.
 
+* :class:`CountingTcp` — a tcp transport that records how many statuses each submit's
+  in-band notice carried (``notices``); with ``refuse`` set, the next submit carrying
+  several is refused as a closed peer's would be.
 * :class:`DelayedTcp` — a tcp transport whose writes start ``delay`` seconds after
   ``submit`` (from a helper thread), so a test can abort a request while its writes are
   genuinely in flight and check that none lands after decode was told "released".
@@ -32,9 +35,10 @@ import threading
 import time
 
 from kvhandoff.plan.model import Plan, TensorPlan
+from kvhandoff.protocol import decode_notice
 from kvhandoff.session.config import SessionConfig
 from kvhandoff.transport.base import Handle, Peer
-from kvhandoff.transport.errors import TransferFailed, TransportError
+from kvhandoff.transport.errors import TransferFailed, TransportClosed, TransportError
 from kvhandoff.transport.tcp.client import TcpPeer
 from kvhandoff.transport.tcp.transport import TcpTransport
 
@@ -47,6 +51,21 @@ def first_entry(plan: Plan, component: str) -> TensorPlan | None:
 def _keyed(options: dict[str, object]) -> dict[str, object]:
     """``options``, with the default deployment's data key unless one is given."""
     return {"data_secret": SessionConfig().data_key(), **options}
+
+
+class CountingTcp(TcpTransport):
+    def __init__(self, **options: object) -> None:
+        super().__init__(**_keyed(options))  # type: ignore[arg-type]
+        self.notices: list[int] = []
+        self.refuse = False
+
+    def submit(self, peer: Peer, plan: Plan, *, notice: bytes | None = None) -> Handle:
+        n = 0 if notice is None else len(decode_notice(notice).statuses)
+        if self.refuse and n > 1:
+            self.refuse = False
+            raise TransportClosed("injected: peer closed by its owner")
+        self.notices.append(n)
+        return super().submit(peer, plan, notice=notice)
 
 
 class DelayedTcp(TcpTransport):

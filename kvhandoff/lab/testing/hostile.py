@@ -1,8 +1,12 @@
 """Hostile peers for the security tests (``tests/security``). Test support.
 
-* :func:`exact`: a rig's decode memory against the oracle, byte for byte.
-* :func:`data_port` / :func:`frame` / :func:`read_reply`: raw frames to a tcp transport's
-  data port, as a stranger without (or with) its token would send them.
+* :func:`exact`: a rig's decode memory against the oracle, byte for byte;
+  :func:`landed`: one request's bytes only.
+* :func:`data_port` / :func:`frame` / :func:`read_frame` / :func:`read_reply`: raw frames
+  to a tcp transport's data port, as a stranger without (or with) its token would send
+  them, and what comes back.
+* :func:`dial` / :func:`until_closed` / :func:`refusal`: a bare connection to a data
+  server, everything it answers until it hangs up, and the handshake refusal in that.
 * :class:`Impostor`: a control-plane peer that names itself ``tcp://…`` (a ROUTER of its
   own, so prefill's answers to that endpoint reach it) and sends from a DEALER with that
   identity, as a spoofing process on the same host can.
@@ -25,12 +29,13 @@ import numpy as np
 import zmq
 
 from kvhandoff.lab.testing.handoff import RequestPlan, place, request_of
-from kvhandoff.lab.testing.oracle import expected_writes
+from kvhandoff.lab.testing.oracle import ByteMap, expected_writes
 from kvhandoff.lab.testing.rig import DecodeSide, Rig
 from kvhandoff.plan.execute import HostMemory
 from kvhandoff.protocol import Hello, Message, decode_message, encode_message
 from kvhandoff.session import Agent
 from kvhandoff.session.rank.prefill_desk import PrefillDesk
+from kvhandoff.transport.framing.handshake import SERVER_FRAME, ClientHandshake, HandshakeFailed
 from kvhandoff.transport.framing.wire import HEADER, Header, Kind, Status
 
 
@@ -59,8 +64,7 @@ def memory_problems(rig: Rig, side: DecodeSide, done: list[RequestPlan],
         expected[i][off:off + aux.item_bytes] = bufs[i][off:off + aux.item_bytes]
     src_mem = HostMemory(rig.parena.bufs)
     for rp in done:
-        bm = expected_writes([rig.src], side.dst, request_of(rig.scn, rp, rig.src, side.dst))
-        assert len(bm.dst), "the oracle expects no write"
+        bm = _writes(rig, side, rp)
         place(expected, bufs, bm.dst, src_mem.read(bm.src))
     out = []
     for i, (b, e) in enumerate(zip(bufs, expected, strict=True)):
@@ -69,6 +73,23 @@ def memory_problems(rig: Rig, side: DecodeSide, done: list[RequestPlan],
             out.append(f"buffer {i}: {len(bad)} of {len(b)} bytes differ "
                        f"(first at offset {int(bad[0])})")
     return out
+
+
+def landed(rig: Rig, rp: RequestPlan, side: DecodeSide | None = None) -> bool:
+    """Whether every byte the oracle says ``rp`` writes holds, on ``side`` (the rig's
+    own decode by default), the prefill byte it comes from. Only those bytes:
+    :func:`memory_problems` also checks that nothing else was written."""
+    side = side or rig.decodes[0]
+    bm = _writes(rig, side, rp)
+    return bool(np.array_equal(HostMemory(side.arena.bufs).read(bm.dst),
+                               HostMemory(rig.parena.bufs).read(bm.src)))
+
+
+def _writes(rig: Rig, side: DecodeSide, rp: RequestPlan) -> ByteMap:
+    """The oracle's writes of ``rp`` from the rig's prefill into ``side``; it must write."""
+    bm = expected_writes([rig.src], side.dst, request_of(rig.scn, rp, rig.src, side.dst))
+    assert len(bm.dst), "the oracle expects no write"
+    return bm
 
 
 def exact(rig: Rig, done: list[RequestPlan]) -> list[str]:
@@ -90,23 +111,65 @@ def frame(kind: Kind, desc: bytes = b"", *, desc_len: int | None = None, payload
     return Header(kind, code, seq, n, payload_len).pack() + desc
 
 
+def read_frame(sock: socket.socket) -> tuple[Header, bytes] | None:
+    """The next frame on ``sock``: its header and description bytes; None if the peer
+    closed first. Raises ``TimeoutError`` past the socket's timeout."""
+    head = _recv_all(sock, HEADER.size)
+    if head is None:
+        return None
+    h = Header.unpack(head)
+    body = _recv_all(sock, h.desc_len)
+    return None if body is None else (h, body)
+
+
 def read_reply(sock: socket.socket) -> tuple[Status, str] | None:
     """The next REPLY on ``sock`` (status, message); None if the peer closed first.
     Raises ``TimeoutError`` past the socket's timeout."""
+    got = read_frame(sock)
+    if got is None:
+        return None
+    h, body = got
+    return Status(h.code), body.decode(errors="replace")
+
+
+def _recv_all(sock: socket.socket, n: int) -> bytes | None:
     buf = b""
-    while len(buf) < HEADER.size:
-        got = sock.recv(HEADER.size - len(buf))
+    while len(buf) < n:
+        got = sock.recv(n - len(buf))
         if not got:
             return None
         buf += got
-    h = Header.unpack(buf)
-    body = b""
-    while len(body) < h.desc_len:
-        got = sock.recv(h.desc_len - len(body))
-        if not got:
-            return None
-        body += got
-    return Status(h.code), body.decode(errors="replace")
+    return buf
+
+
+def dial(host: str, port: int, timeout: float = 10.0) -> socket.socket:
+    """A bare TCP connection (no handshake); ``timeout`` bounds the connect and each read."""
+    s = socket.create_connection((host, port), timeout=timeout)
+    s.settimeout(timeout)
+    return s
+
+
+def until_closed(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes ``sock`` (a reset, as when it closes
+    with our bytes unread, counts as closed). Raises ``TimeoutError`` if it never does."""
+    out = b""
+    while True:
+        try:
+            part = sock.recv(65536)
+        except ConnectionError:
+            return out
+        if not part:
+            return out
+        out += part
+
+
+def refusal(data: bytes) -> str:
+    """The reason in the handshake REFUSED frame that ``data`` ends with ("" if none)."""
+    try:
+        ClientHandshake.new(b"k", "00" * 8, peer="server").answer(data[-SERVER_FRAME:])
+    except HandshakeFailed as e:
+        return str(e) if "refused" in str(e) else ""
+    return ""
 
 
 def closed_by_peer(sock: socket.socket) -> bool:

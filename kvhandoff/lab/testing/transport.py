@@ -7,6 +7,7 @@ fills both with noise, and builds TensorPlans of the shapes a real handoff produ
 scattered pages, head-sliced pages (heterogeneous TP), multi-piece Mamba-style
 groups, many tiny units, and units larger than any frame. :meth:`PlanBuilder.expected`
 applies the numpy executor to copies, which is what every transport must reproduce.
+:func:`page_plan` is the one-page plan a test uses to show a transport still works.
 """
 
 from __future__ import annotations
@@ -27,6 +28,16 @@ from kvhandoff.plan.model import Plan, TensorPlan
 
 Alloc = Callable[[int], tuple[int, np.ndarray]]
 """``nbytes -> (address the receiver sees, local array holding the same initial bytes)``."""
+
+def page_plan(src: np.ndarray, dst: np.ndarray, page: int, *, nbytes: int = 4096) -> Plan:
+    """The smallest real plan: the first ``nbytes`` of ``src`` into page ``page`` of
+    ``dst`` (pages of ``nbytes``), one unit, one piece."""
+    return Plan(entries=(TensorPlan(
+        component="c", tensor="t", layer_id=0, src_ptr=int(src.ctypes.data),
+        dst_ptr=int(dst.ctypes.data), src_unit=nbytes, dst_unit=nbytes,
+        src_idx=np.array([0]), dst_idx=np.array([page]),
+        pieces=np.array([[0, 0, nbytes, 1, nbytes, nbytes]])),))
+
 
 KINDS = ("pages_4k", "pages_256k", "head_slice_gather", "head_slice_split", "mamba_groups",
          "wide_rows", "tiny_many", "huge", "mixed", "empty", "zero_units", "tiny_handoff",

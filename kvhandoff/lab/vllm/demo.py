@@ -50,9 +50,9 @@ import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
+from kvhandoff.lab.servers import raising_on_sigterm
 from kvhandoff.lab.vllm.serve import (
     ProgressFn,
     VllmServer,
@@ -807,10 +807,6 @@ def _options(args: argparse.Namespace, work_dir: Path) -> Options:
                    args.transport)
 
 
-def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """``kvhandoff demo-vllm``: 0 when every handoff matches its local run."""
     ap = argparse.ArgumentParser(prog="kvhandoff demo-vllm", description=__doc__.split("\n")[0])
@@ -830,18 +826,16 @@ def run_main(args: argparse.Namespace) -> int:
         print(f"demo-vllm: {e}", file=sys.stderr)
         return 2
     print(f"logs in {opts.work_dir}", flush=True)
-    old = signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM stops everything too
     t0 = time.perf_counter()
-    try:
-        rows = run(opts)
+    try:  # SIGTERM stops everything too
+        with raising_on_sigterm(lambda signum: KeyboardInterrupt(f"signal {signum}")):
+            rows = run(opts)
     except KeyboardInterrupt:
         print("demo-vllm: interrupted; every process stopped", file=sys.stderr)
         return 130
     except DemoError as e:
         print(f"demo-vllm failed: {e}", file=sys.stderr)
         return 2
-    finally:
-        signal.signal(signal.SIGTERM, old)
     return report(opts, rows, time.perf_counter() - t0, args)
 
 

@@ -46,7 +46,7 @@ import functools
 import hashlib
 import time
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from kvhandoff.binding import RequestKey
 from kvhandoff.errors import HandoffError
@@ -54,7 +54,7 @@ from kvhandoff.layout import Layout
 from kvhandoff.plan import plan
 from kvhandoff.plan.request import Indices
 from kvhandoff.protocol import IndexListMsg, RequestId, TransferInit, TransferStatus
-from kvhandoff.session.errors import TransferFailed
+from kvhandoff.session.errors import SessionError, TransferFailed
 from kvhandoff.session.peers.prefill_groups import GroupState, PrefillGroup, PrefillRank
 from kvhandoff.session.request import aux
 from kvhandoff.session.request.checksum import plan_digests
@@ -233,27 +233,26 @@ class Receiver(RequestSide):
         return g.ranks if g is not None and g.state is GroupState.READY else None
 
     def _on_group(self, group: PrefillGroup) -> None:
-        with self._lock:
-            if group is not self._group:
-                return
-            now = time.monotonic()
-            if group.state is GroupState.FAILED:
-                assert group.error is not None
-                if not self._core.terminal:
-                    self._do(self._core.group_failed(group.error, now))
-            else:
-                self._do(self._core.group_ready(group.ranks, now))
+        self._group_settled(group, self._core.group_ready, self._core.group_failed)
 
     def _on_regroup(self, group: PrefillGroup) -> None:
+        self._group_settled(group, self._core.regroup, self._core.regroup_failed)
+
+    def _group_settled(self, group: PrefillGroup,
+                       ready: Callable[[tuple[PrefillRank, ...], float], list[object]],
+                       failed: Callable[[SessionError, float], list[object]]) -> None:
+        """A group waiter: the group this request uses is READY (the core's ``ready``
+        gets its ranks) or FAILED (``failed`` gets its error; a core already final
+        ignores it). A group the request has since left is ignored."""
         with self._lock:
             if group is not self._group:
                 return
             now = time.monotonic()
             if group.state is GroupState.FAILED:
                 assert group.error is not None
-                self._do(self._core.regroup_failed(group.error, now))
+                self._do(failed(group.error, now))
             else:
-                self._do(self._core.regroup(group.ranks, now))
+                self._do(ready(group.ranks, now))
 
     # --- from the agent and its desk (their threads; not for the engine) ----------------
 

@@ -126,11 +126,8 @@ class CmaPeer(WorkerPeer):
         and everything while it has work."""
         if not plan and notice is None:
             return Handle.completed(peer=self.name)
-        job: _Job
-        handle = Handle(nbytes=plan.nbytes, peer=self.name,
-                        on_release=lambda h: self._forget(job))
-        job = _Job(handle, plan, notice)
-        if not self._track(job):
+        handle, job = self._open(plan.nbytes, lambda h: _Job(h, plan, notice))
+        if job is None:
             return handle
         with self._out:
             now = self._queued == 0

@@ -42,7 +42,6 @@ large pull on the receiving side, default 2), ``data_secret``,
 from __future__ import annotations
 
 import json
-import secrets
 from dataclasses import dataclass
 
 from kvhandoff.plan.model import Plan
@@ -51,12 +50,11 @@ from kvhandoff.transport.cma import kernel
 from kvhandoff.transport.cma.peer import CmaPeer
 from kvhandoff.transport.cma.server import CmaServer
 from kvhandoff.transport.errors import ConnectError
-from kvhandoff.transport.framing.handshake import derive_key, new_endpoint_id
+from kvhandoff.transport.framing.handshake import derive_key
 from kvhandoff.transport.framing.served import (
     MAX_PER_HOST,
     ServedTransport,
     endpoint_fields,
-    require_positive,
 )
 from kvhandoff.transport.host import HostIdentity
 from kvhandoff.transport.regions import RegionTable
@@ -97,16 +95,11 @@ class CmaTransport(ServedTransport):
     def __init__(self, *, io_timeout: float = 30.0, connect_timeout: float = 5.0,
                  copy_threads: int = 2, data_secret: bytes | None = None,
                  max_connections_per_host: int = MAX_PER_HOST) -> None:
-        super().__init__()
-        require_positive(self.name, io_timeout=io_timeout, connect_timeout=connect_timeout,
-                         copy_threads=copy_threads,
-                         max_connections_per_host=max_connections_per_host)
-        self._io_timeout, self._connect_timeout = io_timeout, connect_timeout
+        super().__init__(io_timeout=io_timeout, connect_timeout=connect_timeout,
+                         data_secret=data_secret,
+                         max_connections_per_host=max_connections_per_host,
+                         copy_threads=copy_threads)
         self._copy_threads = copy_threads
-        self._token = secrets.token_hex(16)
-        self._id = new_endpoint_id()
-        self._data_secret = data_secret
-        self._max_per_host = max_connections_per_host
 
     @classmethod
     def usable(cls) -> Availability:

@@ -21,6 +21,7 @@ import contextlib
 import errno
 import json
 import logging
+import secrets
 import socket
 import threading
 import time
@@ -47,6 +48,7 @@ from kvhandoff.transport.framing.handshake import (
     HandshakeFailed,
     Refusal,
     ServerHandshake,
+    new_endpoint_id,
     refusal,
 )
 from kvhandoff.transport.framing.io import recv_exact, recv_header
@@ -57,6 +59,7 @@ log = logging.getLogger("kvhandoff.transport")
 
 P = TypeVar("P", bound="WorkerPeer")
 R = TypeVar("R", bound="InFlight")
+T = TypeVar("T", bound="Tracked")
 
 JOIN_S = 5.0
 """How long ``close`` waits for each worker thread (they exit once their socket is shut)."""
@@ -402,6 +405,20 @@ class WorkerPeer(Peer):
     def _release(self) -> None:
         """Free what the workers used, once they have exited (or were given up on)."""
 
+    def _open(self, nbytes: int, make: Callable[[Handle], T], *,
+              handle_type: type[Handle] = Handle, peer: str | None = None,
+              ) -> tuple[Handle, T | None]:
+        """A new transfer of ``nbytes``: its handle (a ``handle_type`` naming ``peer``,
+        this peer by default, that stops the tracking when released) and the item
+        ``make(handle)`` built for it, tracked (:meth:`_track`). The item is None when
+        the peer was lost: the handle is failed already and only needs returning.
+        Raises ``TransportClosed`` if the owner closed the peer."""
+        item: T
+        handle = handle_type(nbytes=nbytes, peer=self.name if peer is None else peer,
+                             on_release=lambda h: self._forget(item))
+        item = make(handle)
+        return handle, item if self._track(item) else None
+
     def _track(self, item: Tracked) -> bool:
         """Start tracking a new transfer. Raises ``TransportClosed`` if the peer was
         closed by its owner; fails the handle (and returns False) if it was lost."""
@@ -566,12 +583,30 @@ def endpoint_fields(raw: bytes, kind: str, version: int, *fields: str) -> list[A
 class ServedTransport(Transport):
     """A transport whose peers are :class:`WorkerPeer`\\ s and whose receiving side is a
     :class:`ThreadedServer` started by the subclass's ``endpoint()`` (under
-    ``self._lock``, into ``self._server``). Peers are closed with the transport."""
+    ``self._lock``, into ``self._server``). Peers are closed with the transport.
+
+    The options every served transport takes are checked and kept here:
+    ``io_timeout`` and ``connect_timeout`` (seconds), ``data_secret`` (the deployment
+    secret's data-plane key; None: the endpoint's token alone) and
+    ``max_connections_per_host`` (the server's cap per source address, kept as
+    ``_max_per_host``). A subclass passes its own counts that must be positive in
+    ``positive`` (``copy_threads=2``), so one ValueError names every bad option. Each
+    transport also draws its endpoint's secret ``_token`` (the handshake key's material,
+    never sent on a socket) and public ``_id`` here."""
 
     peer_type: ClassVar[type[WorkerPeer]]
 
-    def __init__(self) -> None:
+    def __init__(self, *, io_timeout: float, connect_timeout: float,
+                 data_secret: bytes | None, max_connections_per_host: int,
+                 **positive: float) -> None:
+        require_positive(self.name, io_timeout=io_timeout, connect_timeout=connect_timeout,
+                         **positive, max_connections_per_host=max_connections_per_host)
         super().__init__()
+        self._io_timeout, self._connect_timeout = io_timeout, connect_timeout
+        self._data_secret = data_secret
+        self._max_per_host = max_connections_per_host
+        self._token = secrets.token_hex(16)
+        self._id = new_endpoint_id()  # public: names the endpoint (shm: also its memfds)
         self._lock = threading.Lock()
         self._server: ThreadedServer | None = None
         self._peers: weakref.WeakSet[WorkerPeer] = weakref.WeakSet()

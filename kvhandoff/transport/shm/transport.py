@@ -33,7 +33,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import secrets
 import socket
 import time
 from collections import deque
@@ -50,7 +49,7 @@ from kvhandoff.transport.errors import (
     ProtocolError,
     RemoteOutOfBounds,
 )
-from kvhandoff.transport.framing.handshake import derive_key, new_endpoint_id
+from kvhandoff.transport.framing.handshake import derive_key
 from kvhandoff.transport.framing.io import recv_exact
 from kvhandoff.transport.framing.served import (
     MAX_PER_HOST,
@@ -58,7 +57,6 @@ from kvhandoff.transport.framing.served import (
     WorkerPeer,
     endpoint_fields,
     prove,
-    require_positive,
     shut,
 )
 from kvhandoff.transport.framing.wire import HEADER, Header, Kind, Status
@@ -144,10 +142,8 @@ class ShmPeer(WorkerPeer):
     def submit(self, plan: Plan) -> Handle:
         if not plan:
             return Handle.completed(peer=self.name)
-        job: _Job
-        handle = Handle(nbytes=plan.nbytes, peer=self.name, on_release=lambda h: self._forget(job))
-        job = _Job(handle, plan)
-        if self._track(job):
+        handle, job = self._open(plan.nbytes, lambda h: _Job(h, plan))
+        if job is not None:
             self._queue.put(job)
         return handle
 
@@ -222,19 +218,14 @@ class ShmTransport(ServedTransport):
     def __init__(self, *, io_timeout: float = 30.0, connect_timeout: float = 5.0,
                  copy_threads: int = 2, data_secret: bytes | None = None,
                  max_connections_per_host: int = MAX_PER_HOST) -> None:
-        super().__init__()
-        require_positive(self.name, io_timeout=io_timeout, connect_timeout=connect_timeout,
-                         copy_threads=copy_threads,
-                         max_connections_per_host=max_connections_per_host)
+        super().__init__(io_timeout=io_timeout, connect_timeout=connect_timeout,
+                         data_secret=data_secret,
+                         max_connections_per_host=max_connections_per_host,
+                         copy_threads=copy_threads)
         # helpers beside each peer's copier thread; threads start on first use
         self._pool_size = copy_threads - 1
         self._pool = ThreadPoolExecutor(max_workers=max(1, self._pool_size),
                                         thread_name_prefix="kvh-shm-copy-helper")
-        self._io_timeout, self._connect_timeout = io_timeout, connect_timeout
-        self._token = secrets.token_hex(16)
-        self._id = new_endpoint_id()  # public: names the socket and the memfds
-        self._data_secret = data_secret
-        self._max_per_host = max_connections_per_host
         self._arenas = Arenas(self._id[:8])
 
     @classmethod

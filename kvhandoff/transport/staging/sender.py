@@ -134,12 +134,10 @@ class StagingLink(WorkerPeer):
             t.start()
 
     def submit(self, plan: Plan) -> Handle:
-        job: _Job
-        handle = StagedHandle(nbytes=plan.nbytes, peer=self._peer.name,
-                              on_release=lambda h: self._forget(job))
-        job = _Job(handle, plan, next(self._ids))
-        self.submitted = job.id
-        if self._track(job):
+        self.submitted = job_id = next(self._ids)
+        handle, job = self._open(plan.nbytes, lambda h: _Job(h, plan, job_id),
+                                 handle_type=StagedHandle, peer=self._peer.name)
+        if job is not None:
             self._queue.put(job)
         return handle
 

@@ -172,11 +172,8 @@ class TcpPeer(WorkerPeer):
         frames = split(plan, self._frame_bytes)
         if not frames and notice is None:
             return Handle.completed(peer=self.name)
-        transfer: _Transfer
-        handle = Handle(nbytes=plan.nbytes, peer=self.name,
-                        on_release=lambda h: self._forget(transfer))
-        transfer = _Transfer(handle, frames, notice)
-        if not self._track(transfer):
+        handle, transfer = self._open(plan.nbytes, lambda h: _Transfer(h, frames, notice))
+        if transfer is None:
             return handle
         if len(frames) <= 1:
             self._queue_data(transfer, inline=True)
@@ -216,13 +213,11 @@ class TcpPeer(WorkerPeer):
     def submit_small(self, small: SmallFrame, notice: bytes | None = None) -> Handle:
         """Send a small plan's frame (built and source-checked by ``tcp_small.build``),
         from this thread when a connection is idle."""
-        transfer: _Transfer
-        handle = Handle(nbytes=small.nbytes, peer=self.name,
-                        on_release=lambda h: self._forget(transfer))
-        transfer = _Transfer(handle, [[]])
-        transfer.frames = []
-        if not self._track(transfer):
+        # one frame to acknowledge, and none left for _queue_data to send
+        handle, transfer = self._open(small.nbytes, lambda h: _Transfer(h, [[]]))
+        if transfer is None:
             return handle
+        transfer.frames = []
         frame = _Frame(transfer, small.desc, small.nbytes, None, views=small.views,
                        notice=notice)
         conn = self._conns[next(self._rr) % len(self._conns)]

@@ -30,13 +30,12 @@ from one source address; default 32; extras are refused at once, with a logged r
 from __future__ import annotations
 
 import json
-import secrets
 from dataclasses import dataclass
 
 from kvhandoff.plan.model import Plan
 from kvhandoff.transport.base import Capabilities, Handle, Peer
 from kvhandoff.transport.errors import ConnectError
-from kvhandoff.transport.framing.handshake import derive_key, new_endpoint_id
+from kvhandoff.transport.framing.handshake import derive_key
 from kvhandoff.transport.framing.served import MAX_PER_HOST, ServedTransport, endpoint_fields
 from kvhandoff.transport.framing.wire import MAX_PAYLOAD
 from kvhandoff.transport.regions import RegionTable
@@ -80,25 +79,16 @@ class TcpTransport(ServedTransport):
                  frame_bytes: int = 4 << 20, io_timeout: float = 30.0,
                  connect_timeout: float = 5.0, data_secret: bytes | None = None,
                  max_connections_per_host: int = MAX_PER_HOST) -> None:
-        super().__init__()
-        if (connections < 1 or not 1 <= frame_bytes <= MAX_PAYLOAD or io_timeout <= 0
-                or connect_timeout <= 0 or max_connections_per_host < 1):
-            raise ValueError(
-                f"tcp transport needs connections >= 1, 1 <= frame_bytes <= {MAX_PAYLOAD}, "
-                f"max_connections_per_host >= 1 and positive "
-                f"timeouts; got connections={connections}, frame_bytes={frame_bytes}, "
-                f"max_connections_per_host={max_connections_per_host}, "
-                f"io_timeout={io_timeout}, connect_timeout={connect_timeout}"
-            )
+        if not 1 <= frame_bytes <= MAX_PAYLOAD:
+            raise ValueError(f"tcp transport needs 1 <= frame_bytes <= {MAX_PAYLOAD}; got "
+                             f"frame_bytes={frame_bytes}")
+        super().__init__(io_timeout=io_timeout, connect_timeout=connect_timeout,
+                         data_secret=data_secret,
+                         max_connections_per_host=max_connections_per_host,
+                         connections=connections)
         self._host, self._port = host, port
         self._connections = connections
         self._frame_bytes = frame_bytes
-        self._io_timeout = io_timeout
-        self._connect_timeout = connect_timeout
-        self._token = secrets.token_hex(16)
-        self._id = new_endpoint_id()
-        self._data_secret = data_secret
-        self._max_per_host = max_connections_per_host
 
     def _table(self) -> RegionTable:
         """The current registrations (an immutable snapshot; read without a lock)."""
