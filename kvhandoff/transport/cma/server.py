@@ -340,17 +340,21 @@ class _Connection:
                 self._cond.notify_all()  # a serving thread held back may go on
 
     def _serve(self, job: _Reply | _Pull) -> None:
-        """Answer one frame: its reply, or its pull then (the notice and) the reply."""
+        """Answer one frame: its reply, or its pull then the reply (and the notice)."""
         if isinstance(job, _Reply):
             self._reply(job.seq, job.status, job.message)
             return
         if self.gone.is_set():
             return  # the sender left: nobody waits for it; copy nothing
         status, message = self._pull(job)
-        if status is Status.OK and job.notice is not None:
-            self.server.deliver(job.notice)
-        if status is Status.OK or not self.gone.is_set():  # a closing sender fails its
-            self._reply(job.seq, status, message)  # own transfers
+        try:
+            if status is Status.OK or not self.gone.is_set():  # a closing sender fails
+                self._reply(job.seq, status, message)  # its own transfers
+        finally:  # the reply first: the handler's work (the status reaching decode's
+            # request: locks, a GIL hand-over) is off the sender's latency path, and
+            # every byte landed before either
+            if status is Status.OK and job.notice is not None:
+                self.server.deliver(job.notice)
 
     def _stop(self, deadline: float) -> str | None:
         if self.gone.is_set():
