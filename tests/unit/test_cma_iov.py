@@ -363,3 +363,38 @@ def test_a_write_of_many_segments_is_left_to_bounded_windows() -> None:
     assert iov.whole(src, dst) is not None
     sizes = [len(local.rows) for local, _ in iov.windows(src, dst, 1000)]
     assert len(sizes) == 3 and max(sizes) <= 1000
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_one_call_writes_fit_one_syscall_and_land_every_byte(kind: str) -> None:
+    """What the serving thread pulls itself is one call's worth (at most IOV_MAX iovecs
+    a side, BATCH_BYTES in all) and lands every byte as the numpy executor does."""
+    b = _builder(12)
+    p = b.plan(kind)
+    want = b.expected(p)
+    src, dst = decode_write(encode_write(p))
+    got = iov.one_call(src, dst)
+    if got is None:
+        return
+    local, remote = got
+    assert local.nbytes == remote.nbytes == p.nbytes <= iov.BATCH_BYTES
+    assert len(local.rows) <= IOV_MAX and len(remote.rows) <= IOV_MAX
+    fake = FakeReadV()
+    if p.nbytes:
+        iov.pull(fake, os.getpid(), local, remote, 0, local.nbytes, stop=lambda: None)
+        assert fake.calls == 1
+    for (_, d), exp in zip(b.dsts, want, strict=True):
+        assert np.array_equal(d, exp)
+
+
+@pytest.mark.parametrize(("pages", "one"), [(800, True), (1100, False)])
+def test_one_call_takes_up_to_iov_max_scattered_pages(pages: int, one: bool) -> None:
+    """800 scattered 4 KiB pages (more than the Python path takes) are still one call;
+    1100 are more iovecs than one call takes."""
+    b = _builder(13)
+    page = 4096
+    e = b.pair(src_unit=page, dst_unit=page, cap=2 * pages, n=pages,
+               pieces=[[0, 0, page, 1, page, page]])
+    src, dst = decode_write(encode_write(Plan(entries=(e,))))
+    assert iov.few(src, dst) is None
+    assert (iov.one_call(src, dst) is not None) is one

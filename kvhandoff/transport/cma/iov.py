@@ -128,6 +128,19 @@ def few(src: Records, dst: Records, most: int = 4 * FEW) -> tuple[Side, Side] | 
     return _rows(local), _rows(remote)
 
 
+def one_call(src: Records, dst: Records) -> tuple[Side, Side] | None:
+    """``(local, remote)`` of a write that one syscall pulls — at most ``IOV_MAX``
+    iovecs a side once merged and :data:`BATCH_BYTES` in all —; None for a larger one.
+    A small write in Python integers (:func:`few`), a larger one by :func:`whole`."""
+    got = few(src, dst)
+    if got is None and len(src.idx) <= 2 * IOV_MAX:
+        got = whole(src, dst, 4 * IOV_MAX)
+        if got is not None and (got[0].nbytes > BATCH_BYTES or len(got[0].rows) > IOV_MAX
+                                or len(got[1].rows) > IOV_MAX):
+            return None
+    return got
+
+
 def _rows_per_unit(rec: list[int]) -> int:
     _, _, _, length, count, stride = rec
     return 1 if count <= 1 or stride == length else count

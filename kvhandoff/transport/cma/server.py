@@ -95,7 +95,7 @@ class _Pull:
     dst: Records
     notice: bytes | None
     deadline: float  # monotonic: past it the sender may have given up
-    sides: tuple[iov.Side, iov.Side] | None  # a small write's iovecs, built when checked
+    sides: tuple[iov.Side, iov.Side] | None  # one syscall's iovecs, built when checked
     weight: int  # its descriptor's bytes, counted against QUEUE_BYTES while queued
 
     @property
@@ -317,7 +317,7 @@ class _Connection:
         if problem is not None:
             return _Reply(h.seq, Status.OUT_OF_BOUNDS, problem)
         return _Pull(h.seq, src, dst, notice, time.monotonic() + self.server.io_timeout / 2,
-                     iov.few(src, dst), len(desc))
+                     iov.one_call(src, dst), len(desc))
 
     # --- the copier -----------------------------------------------------------------------
 
