@@ -13,11 +13,14 @@ so the sender cannot point the receiver at another process. Then (:mod:`.frames`
     WRITE          → every destination byte inside this side's registered memory, every
                      source byte inside the regions the sender declared; refused:
                      REPLY OUT_OF_BOUNDS, nothing copied → else pull (``process_vm_readv``,
-                     :mod:`.iov`) → deliver the notice, if any → REPLY OK
+                     :mod:`.iov`) → REPLY OK → deliver the notice, if any (after the
+                     reply, so the handler's work is off the sender's latency path)
 
-Each connection has two threads: the serving thread reads and checks frames and queues
-them; its copier pulls and replies, in frame order. Nothing is ever written into the
-sender, and nothing is written here that this side did not check itself.
+Each connection has two threads: the serving thread reads and checks frames; a write
+one syscall pulls it pulls and answers itself when nothing is queued (no thread
+hand-off on a handoff's latency path), anything else it queues for its copier, which
+pulls and replies in frame order. Nothing is ever written into the sender, and nothing
+is written here that this side did not check itself.
 
 Stops (the session's "no stale writes"): the copier checks between batches (at most
 ``IOV_MAX`` iovecs and 4 MiB each) whether the sender closed the connection (the serving
