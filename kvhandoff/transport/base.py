@@ -50,8 +50,9 @@ Contract every transport keeps (the conformance suite in ``tests/conformance`` c
 * **Notices** (``capabilities.notices``). ``submit(peer, plan, notice=b"...")`` hands
   ``notice`` (at most :data:`MAX_NOTICE` bytes) to the handler the *receiving*
   transport set with :meth:`Transport.on_notice`, on one of its threads, after every
-  byte of the plan has landed and before the sender's handle is ``DONE``; a refused or
-  failed write delivers nothing. The session layer sends a request's status this way,
+  byte of the plan has landed, before the sender's handle is ``DONE`` or, on ``cma``,
+  just after (it answers first, keeping the handler off the sender's latency path); a
+  refused or failed write delivers nothing. The session layer sends a request's status this way,
   in band, instead of over its control socket. Transports without it raise
   ``ValueError`` for a notice.
 * **Empty plans** complete ``DONE`` at once. Zero-length registrations are accepted and

@@ -269,27 +269,6 @@ def test_the_real_syscall_in_this_process() -> None:
     assert n == 64 and np.array_equal(a, b)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_small_writes_are_built_in_one_pass(kind: str) -> None:
-    """The Python-integer path of a small write (one syscall) lands every byte as the
-    numpy executor does; a larger write is left to the windows."""
-    b = _builder(9)
-    p = b.plan(kind)
-    want = b.expected(p)
-    src, dst = decode_write(encode_write(p))
-    got = iov.few(src, dst)
-    if got is None:
-        assert p.nbytes > iov.BATCH_BYTES or p.num_segments > 4 * iov.FEW, kind
-        return
-    local, remote = got
-    assert local.nbytes == remote.nbytes == p.nbytes
-    if p.nbytes:
-        iov.pull(process_vm_readv, os.getpid(), local, remote, 0, local.nbytes,
-                 stop=lambda: None)
-    for (_, d), exp in zip(b.dsts, want, strict=True):
-        assert np.array_equal(d, exp)
-
-
 def test_short_scattered_sources_are_pulled_in_source_order() -> None:
     """A permutation of 4 KiB pages: the window's remote side is the source pages in
     address order, merged into one iovec; the local side stays page by page."""
@@ -311,3 +290,95 @@ def test_a_small_table_with_a_huge_row_count_is_left_to_the_windows() -> None:
     idx = [np.zeros(1, np.int64)]
     src, dst = (Records.build(rec, idx),) * 2
     assert iov.few(src, dst) is None
+
+
+def _byte_pairs(local: iov.Side, remote: iov.Side) -> set[tuple[int, int]]:
+    """Every (source address, destination address) byte pair the two sides pair up."""
+    def addrs(side: iov.Side) -> list[int]:
+        return [a + k for a, n in side.rows.tolist() for k in range(n)]
+    return set(zip(addrs(remote), addrs(local), strict=True))
+
+
+_record = st.tuples(st.integers(0, 3), st.integers(1, 6), st.integers(1, 3), st.integers(0, 1),
+                    st.lists(st.integers(0, 5), min_size=0, max_size=4, unique=True))
+
+
+@settings(max_examples=200, deadline=None)
+@given(records=st.lists(_record, min_size=1, max_size=5), flip=st.booleans())
+def test_whole_writes_pair_every_byte_as_the_naive_oracle(
+        records: list[tuple[int, int, int, int, list[int]]], flip: bool) -> None:
+    """Random paired records (several rows per unit, gapped or touching, either side
+    strided): the vectorised build pairs exactly the bytes a loop over records, units
+    and rows pairs, each once."""
+    src_rows, dst_rows, s_idx, d_idx = [], [], [], []
+    want: list[tuple[int, int]] = []
+    for r, (off, length, count, gap, units) in enumerate(records):
+        s_stride, d_stride = length + gap, length + (1 - gap if flip else gap)
+        s_unit, d_unit = count * s_stride + 8, count * d_stride + 8
+        s_ptr, d_ptr = (1 << 20) * (r + 1), (1 << 30) + (1 << 20) * (r + 1)
+        src_rows.append((s_ptr, s_unit, off, length, count, s_stride))
+        dst_rows.append((d_ptr, d_unit, off, length, count, d_stride))
+        d_units = [u + 1 for u in reversed(units)]
+        s_idx.append(np.array(units, np.int64))
+        d_idx.append(np.array(d_units, np.int64))
+        want += [(s_ptr + su * s_unit + off + j * s_stride + k,
+                  d_ptr + du * d_unit + off + j * d_stride + k)
+                 for su, du in zip(units, d_units, strict=True)
+                 for j in range(count) for k in range(length)]
+    src, dst = decode_write(Records.build(src_rows + dst_rows, s_idx + d_idx).encode())
+    got = iov.whole(src, dst)
+    assert got is not None
+    assert got[0].nbytes == got[1].nbytes == len(want)
+    assert _byte_pairs(*got) == set(want) and len(set(want)) == len(want)
+
+
+def test_a_write_of_many_segments_is_left_to_bounded_windows() -> None:
+    """More segments than a window: ``whole`` declines, the windows stay bounded."""
+    b = _builder(11)
+    page, n = 1024, 3000
+    e = b.pair(src_unit=page, dst_unit=page, cap=n, n=n, pieces=[[0, 0, page, 1, page, page]])
+    src, dst = decode_write(encode_write(Plan(entries=(e,))))
+    assert iov.whole(src, dst, most=1000) is None
+    assert iov.whole(src, dst) is not None
+    sizes = [len(local.rows) for local, _ in iov.windows(src, dst, 1000)]
+    assert len(sizes) == 3 and max(sizes) <= 1000
+
+
+@pytest.mark.parametrize("build", [iov.few, iov.one_call])
+@pytest.mark.parametrize("kind", KINDS)
+def test_one_call_writes_fit_one_syscall_and_land_every_byte(kind: str, build: object) -> None:
+    """What the serving thread pulls itself — a small write in Python integers
+    (``few``), or any write one call takes (``one_call``) — is one call's worth (at most
+    IOV_MAX iovecs a side, BATCH_BYTES in all) and lands every byte as the numpy
+    executor does; a larger write is left to the windows."""
+    b = _builder(12)
+    p = b.plan(kind)
+    want = b.expected(p)
+    src, dst = decode_write(encode_write(p))
+    got = build(src, dst)  # type: ignore[operator]
+    if got is None:
+        assert build is iov.one_call or p.nbytes > iov.BATCH_BYTES \
+            or p.num_segments > 4 * iov.FEW, kind
+        return
+    local, remote = got
+    assert local.nbytes == remote.nbytes == p.nbytes <= iov.BATCH_BYTES
+    assert len(local.rows) <= IOV_MAX and len(remote.rows) <= IOV_MAX
+    fake = FakeReadV()
+    if p.nbytes:
+        iov.pull(fake, os.getpid(), local, remote, 0, local.nbytes, stop=lambda: None)
+        assert fake.calls == 1
+    for (_, d), exp in zip(b.dsts, want, strict=True):
+        assert np.array_equal(d, exp)
+
+
+@pytest.mark.parametrize(("pages", "one"), [(800, True), (1100, False)])
+def test_one_call_takes_up_to_iov_max_scattered_pages(pages: int, one: bool) -> None:
+    """800 scattered 4 KiB pages (more than the Python path takes) are still one call;
+    1100 are more iovecs than one call takes."""
+    b = _builder(13)
+    page = 4096
+    e = b.pair(src_unit=page, dst_unit=page, cap=2 * pages, n=pages,
+               pieces=[[0, 0, page, 1, page, page]])
+    src, dst = decode_write(encode_write(Plan(entries=(e,))))
+    assert iov.few(src, dst) is None
+    assert (iov.one_call(src, dst) is not None) is one

@@ -128,6 +128,19 @@ def few(src: Records, dst: Records, most: int = 4 * FEW) -> tuple[Side, Side] | 
     return _rows(local), _rows(remote)
 
 
+def one_call(src: Records, dst: Records) -> tuple[Side, Side] | None:
+    """``(local, remote)`` of a write that one syscall pulls — at most ``IOV_MAX``
+    iovecs a side once merged and :data:`BATCH_BYTES` in all —; None for a larger one.
+    A small write in Python integers (:func:`few`), a larger one by :func:`whole`."""
+    got = few(src, dst)
+    if got is None and len(src.idx) <= 2 * IOV_MAX:
+        got = whole(src, dst, 4 * IOV_MAX)
+        if got is not None and (got[0].nbytes > BATCH_BYTES or len(got[0].rows) > IOV_MAX
+                                or len(got[1].rows) > IOV_MAX):
+            return None
+    return got
+
+
 def _rows_per_unit(rec: list[int]) -> int:
     _, _, _, length, count, stride = rec
     return 1 if count <= 1 or stride == length else count
@@ -159,7 +172,13 @@ def _rows(segs: list[list[int]]) -> Side:
 def windows(src: Records, dst: Records, window: int = WINDOW) -> Iterator[tuple[Side, Side]]:
     """``(local, remote)`` iovecs of consecutive windows of the stream that the paired
     tables ``src`` (remote: the sender's addresses) and ``dst`` (local) describe. The
-    records were validated: every address lies in registered memory."""
+    records were validated: every address lies in registered memory. A write of at
+    most ``window`` segments a side is one window, built by :func:`whole`."""
+    one = whole(src, dst, window)
+    if one is not None:
+        if one[0].nbytes:
+            yield one
+        return
     items: list[tuple[Record, Record, int, int, int, int]] = []
     weight = 0
     for r in range(len(src)):
@@ -184,6 +203,31 @@ def windows(src: Records, dst: Records, window: int = WINDOW) -> Iterator[tuple[
         yield _window(items)
 
 
+def whole(src: Records, dst: Records, most: int = WINDOW) -> tuple[Side, Side] | None:
+    """``(local, remote)`` of a whole write as one window, every record at once — a
+    fixed number of numpy calls, however many records (the windows' per-record calls
+    cost several times the copy of a handoff of a few MB) —; None when it is more than
+    ``most`` segments a side (use :func:`windows`). Same segments, order and merging
+    as a window of :func:`windows` (:func:`_sides`)."""
+    s, d = src.fields, dst.fields
+    sizes = np.diff(src.bounds)
+    length, count = s[:, 3], s[:, 4]
+    flat = (count <= 1) | ((s[:, 5] == length) & (d[:, 5] == length))
+    rows = np.where((length > 0) & (count > 0), np.where(flat, 1, count), 0)
+    if float((sizes.astype(np.float64) * rows).sum()) > most:  # float: hostile counts
+        return None
+    rid = np.repeat(np.arange(len(s)), sizes)  # each unit's record
+    sb = s[rid, 0] + s[rid, 2] + src.idx * s[rid, 1]
+    db = d[rid, 0] + d[rid, 2] + dst.idx * d[rid, 1]
+    per = rows[rid]
+    if bool((per != 1).any()):  # some units are several rows (or none): one per row
+        k = np.repeat(np.arange(len(rid)), per)
+        j = np.arange(len(k)) - np.repeat(np.cumsum(per) - per, per)
+        rid = rid[k]
+        sb, db = sb[k] + j * s[rid, 5], db[k] + j * d[rid, 5]
+    return _sides(sb, db, np.where(flat, length * count, length)[rid])
+
+
 def _per_unit(rec: Record) -> int:
     """Segments one unit of a record is on its side: 1 when its rows touch."""
     _, _, _, length, count, stride, _ = rec
@@ -198,7 +242,11 @@ def _window(items: list[tuple[Record, Record, int, int, int, int]]) -> tuple[Sid
     adjacent source pages cost one; the receiver's side is written page by page at
     memory speed either way. A plan writes each destination byte once, so the order in
     which its segments land is free (as with RDMA writes)."""
-    src, dst, lens = _pairs(items)
+    return _sides(*_pairs(items))
+
+
+def _sides(src: I64, dst: I64, lens: I64) -> tuple[Side, Side]:
+    """``(local, remote)`` of paired segments (see :func:`_window` on the order)."""
     if len(src) > 1 and int(lens.sum()) < SORT_BELOW * len(src) \
             and bool((src[1:] < src[:-1]).any()):
         order = np.argsort(src, kind="stable")

@@ -13,11 +13,14 @@ so the sender cannot point the receiver at another process. Then (:mod:`.frames`
     WRITE          → every destination byte inside this side's registered memory, every
                      source byte inside the regions the sender declared; refused:
                      REPLY OUT_OF_BOUNDS, nothing copied → else pull (``process_vm_readv``,
-                     :mod:`.iov`) → deliver the notice, if any → REPLY OK
+                     :mod:`.iov`) → REPLY OK → deliver the notice, if any (after the
+                     reply, so the handler's work is off the sender's latency path)
 
-Each connection has two threads: the serving thread reads and checks frames and queues
-them; its copier pulls and replies, in frame order. Nothing is ever written into the
-sender, and nothing is written here that this side did not check itself.
+Each connection has two threads: the serving thread reads and checks frames; a write
+one syscall pulls it pulls and answers itself when nothing is queued (no thread
+hand-off on a handoff's latency path), anything else it queues for its copier, which
+pulls and replies in frame order. Nothing is ever written into the sender, and nothing
+is written here that this side did not check itself.
 
 Stops (the session's "no stale writes"): the copier checks between batches (at most
 ``IOV_MAX`` iovecs and 4 MiB each) whether the sender closed the connection (the serving
@@ -95,7 +98,7 @@ class _Pull:
     dst: Records
     notice: bytes | None
     deadline: float  # monotonic: past it the sender may have given up
-    sides: tuple[iov.Side, iov.Side] | None  # a small write's iovecs, built when checked
+    sides: tuple[iov.Side, iov.Side] | None  # one syscall's iovecs, built when checked
     weight: int  # its descriptor's bytes, counted against QUEUE_BYTES while queued
 
     @property
@@ -317,7 +320,7 @@ class _Connection:
         if problem is not None:
             return _Reply(h.seq, Status.OUT_OF_BOUNDS, problem)
         return _Pull(h.seq, src, dst, notice, time.monotonic() + self.server.io_timeout / 2,
-                     iov.few(src, dst), len(desc))
+                     iov.one_call(src, dst), len(desc))
 
     # --- the copier -----------------------------------------------------------------------
 
@@ -340,17 +343,21 @@ class _Connection:
                 self._cond.notify_all()  # a serving thread held back may go on
 
     def _serve(self, job: _Reply | _Pull) -> None:
-        """Answer one frame: its reply, or its pull then (the notice and) the reply."""
+        """Answer one frame: its reply, or its pull then the reply (and the notice)."""
         if isinstance(job, _Reply):
             self._reply(job.seq, job.status, job.message)
             return
         if self.gone.is_set():
             return  # the sender left: nobody waits for it; copy nothing
         status, message = self._pull(job)
-        if status is Status.OK and job.notice is not None:
-            self.server.deliver(job.notice)
-        if status is Status.OK or not self.gone.is_set():  # a closing sender fails its
-            self._reply(job.seq, status, message)  # own transfers
+        try:
+            if status is Status.OK or not self.gone.is_set():  # a closing sender fails
+                self._reply(job.seq, status, message)  # its own transfers
+        finally:  # the reply first: the handler's work (the status reaching decode's
+            # request: locks, a GIL hand-over) is off the sender's latency path, and
+            # every byte landed before either
+            if status is Status.OK and job.notice is not None:
+                self.server.deliver(job.notice)
 
     def _stop(self, deadline: float) -> str | None:
         if self.gone.is_set():
