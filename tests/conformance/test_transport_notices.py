@@ -7,27 +7,18 @@ capability refuse a notice with ``ValueError``."""
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
 import pytest
 from kvh_conformance import Pair, make
 
+from kvhandoff.lab.testing.hostile import eventually
 from kvhandoff.lab.testing.transport import PlanBuilder
 from kvhandoff.transport import RemoteOutOfBounds, TransferState, Transport
 from kvhandoff.transport.base import MAX_NOTICE
 
 TIMEOUT = 60.0
-
-
-def _until(done: Callable[[], bool]) -> None:
-    """Wait (bounded) until ``done()``: a transport may run the handler just after the
-    sender's handle is DONE."""
-    deadline = time.monotonic() + TIMEOUT
-    while not done() and time.monotonic() < deadline:
-        time.sleep(0.005)
 
 
 class Inbox:
@@ -62,7 +53,7 @@ def test_notice_arrives_after_the_bytes(pair: Pair, kind: str) -> None:
     pair.receiver.on_notice(inbox)
     h = pair.sender.submit(pair.connect(), p, notice=b"request 7 done")
     assert pair.sender.wait(h, TIMEOUT) is TransferState.DONE, h.error
-    _until(lambda: bool(inbox.got))
+    eventually(lambda: bool(inbox.got), TIMEOUT)
     assert inbox.got == [(b"request 7 done", True)], "notice missing, repeated or early"
     h.release()
 
@@ -80,7 +71,7 @@ def test_notice_after_many_frames_over_every_connection() -> None:
         for i in range(3):
             h = s.submit(pair.connect(), p, notice=bytes([i]) * (MAX_NOTICE if i else 1))
             assert s.wait(h, TIMEOUT) is TransferState.DONE, h.error
-            _until(lambda i=i: len(inbox.got) > i)  # type: ignore[misc]
+            eventually(lambda i=i: len(inbox.got) > i, TIMEOUT)  # type: ignore[misc]
             assert inbox.got[-1][1], "notice delivered before every frame landed"
         assert [len(n) for n, _ in inbox.got] == [1, MAX_NOTICE, MAX_NOTICE]
         pair.close()
@@ -93,7 +84,7 @@ def test_notice_of_an_empty_plan_is_delivered(pair: Pair) -> None:
     pair.receiver.on_notice(inbox)
     h = pair.sender.submit(pair.connect(), p, notice=b"nothing to write")
     assert pair.sender.wait(h, TIMEOUT) is TransferState.DONE, h.error
-    _until(lambda: bool(inbox.got))
+    eventually(lambda: bool(inbox.got), TIMEOUT)
     assert inbox.got == [(b"nothing to write", True)]
 
 
@@ -114,7 +105,7 @@ def test_refused_write_delivers_no_notice(pair: Pair, kind: str) -> None:
     # the connection (and the handler) still work
     h = pair.sender.submit(pair.connect(), p, notice=b"fine")
     assert pair.sender.wait(h, TIMEOUT) is TransferState.DONE, h.error
-    _until(lambda: bool(inbox.got))
+    eventually(lambda: bool(inbox.got), TIMEOUT)
     assert [n for n, _ in inbox.got] == [b"fine"]
 
 
@@ -133,7 +124,7 @@ def test_failing_handler_is_contained(pair: Pair) -> None:
     for i in range(2):
         h = pair.sender.submit(peer, p, notice=bytes([i]))
         assert pair.sender.wait(h, TIMEOUT) is TransferState.DONE, h.error
-    _until(lambda: len(calls) == 2)
+    eventually(lambda: len(calls) == 2, TIMEOUT)
     assert calls == [b"\0", b"\1"]
     pair.receiver.on_notice(None)  # dropped from now on; writes still work
     h = pair.sender.submit(peer, p, notice=b"x")
