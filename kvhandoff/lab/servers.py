@@ -17,10 +17,12 @@ import contextlib
 import ctypes
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -42,18 +44,62 @@ class ServerError(RuntimeError):
     tail of its log."""
 
 
-def free_ports(n: int = 1, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct TCP ports that are free now (bound at once, then released)."""
+_PORT_RANGE = (10000, 21999)
+"""Where :func:`free_ports` draws from: below the kernel's ephemeral ports (32768 and up
+by default) and below SGLang's own picks for ports its children bind later (22000-29999)."""
+_EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_given: set[int] = set()
+_given_lock = threading.Lock()
+
+
+def _drawable() -> list[int]:
+    try:
+        ephemeral_low = int(_EPHEMERAL.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    low, high = _PORT_RANGE
+    return list(range(low, min(high, ephemeral_low - 1) + 1))
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:  # no SO_REUSEADDR: a port in TIME_WAIT counts as taken
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(n: int = 1) -> list[int]:
+    """``n`` distinct TCP ports that are free now, for servers that bind them later.
+
+    Drawn below the kernel's ephemeral range, where no bind to port 0 and no outgoing
+    connection can take one meanwhile (a port the kernel had handed out could be: an
+    SGLang server that loads its model for a minute before it binds lost its port that
+    way under CI), and never the same port twice in one process while the range lasts."""
+    with _given_lock:
+        pool = [p for p in _drawable() if p not in _given]
+        if len(pool) < 64 * n:
+            _given.clear()
+            pool = _drawable()
+        out = [p for p in random.sample(pool, min(len(pool), 64 * n)) if _bindable(p)][:n]
+        if len(out) < n:  # no room below the ephemeral ports here: let the kernel choose
+            return _kernel_ports(n)
+        _given.update(out)
+        return out
+
+
+def _kernel_ports(n: int) -> list[int]:
     with contextlib.ExitStack() as stack:
         socks = [stack.enter_context(socket.socket()) for _ in range(n)]
         for s in socks:
-            s.bind((host, 0))
+            s.bind(("127.0.0.1", 0))
         return [int(s.getsockname()[1]) for s in socks]
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """One TCP port that is free now."""
-    return free_ports(1, host)[0]
+def free_port() -> int:
+    """One TCP port that is free now (see :func:`free_ports`)."""
+    return free_ports(1)[0]
 
 
 def dead_url() -> str:
