@@ -196,9 +196,8 @@ STRESS_RUNS ?= 3
 STRESS_HOGS ?= 12
 test-stress: $(STAMP)
 	$(BIN)/python -m kvhandoff.lab.testing.hogs --hogs $(STRESS_HOGS) --runs $(STRESS_RUNS) -- \
-	  $(BIN)/python -m pytest -q -p no:cacheprovider tests/faults tests/conformance tests/e2e \
-	  --ignore=tests/e2e/test_vllm.py --ignore=tests/e2e/test_vllm_worker.py \
-	  --ignore=tests/e2e/test_sglang.py --ignore=tests/e2e/test_sglang_backend.py
+	  $(BIN)/python -m pytest -q -p no:cacheprovider -m "not vllm and not sglang" \
+	  tests/faults tests/conformance tests/e2e --ignore=tests/e2e/test_vllm_worker.py
 
 # The part of test-stress CI runs (.ci/run): the fault suite once under STRESS_FAULTS_HOGS
 # hogs (two per core: CI's whole run must stay within its time budget; `make test-stress`
