@@ -5,11 +5,10 @@ never a wait for indices_timeout."""
 
 from __future__ import annotations
 
-import socket
-
 import zmq
 
 from kvhandoff.bootstrap.server import BootstrapServer
+from kvhandoff.lab.servers import free_port
 from kvhandoff.lab.testing.fixtures import OPEN
 from kvhandoff.lab.testing.rig import Rig
 from kvhandoff.protocol import Heartbeat, RankId, TransferInit, decode_message, encode_message
@@ -65,11 +64,6 @@ def test_an_unreachable_rank_fails_the_request_naming_why(bootstrap: BootstrapSe
         rig.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def _indices_from(ctx: zmq.Context[zmq.Socket[bytes]], ghost: str, rig: Rig,
                   instance: str) -> None:
@@ -97,7 +91,7 @@ def test_indices_from_an_unknown_rank_that_goes_silent_fail_the_request(
     ctx = zmq.Context()
     try:
         s = rig.sender(rig.plan(1))[0]
-        ghost = f"tcp://127.0.0.1:{_free_port()}"  # nothing will answer there
+        ghost = f"tcp://127.0.0.1:{free_port()}"  # nothing will answer there
         _indices_from(ctx, ghost, rig, instance)
         assert s.wait(120) is Status.FAILED
         assert "asked to handshake again" in str(s.reason), s.reason

@@ -39,6 +39,7 @@ from kvhandoff.bootstrap.client import (
 )
 from kvhandoff.bootstrap.server import BootstrapServer, Limits, Registry
 from kvhandoff.errors import HandoffError
+from kvhandoff.lab.servers import free_port
 
 SIG = "0123456789abcdef"
 FAST: dict[str, Any] = {"retries": 3, "backoff": 0.02, "max_backoff": 0.05, "timeout": 1.0}
@@ -68,11 +69,6 @@ def raw(url_port: int, method: str, path: str, body: bytes | None = None
     finally:
         conn.close()
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture

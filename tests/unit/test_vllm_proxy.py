@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -23,6 +22,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from kvhandoff.lab.cli import main as cli_main
+from kvhandoff.lab.servers import free_port
 from kvhandoff.lab.vllm.proxy import (
     DECODE_MS,
     FAILED_HOP,
@@ -47,11 +47,6 @@ def run(coro: Coroutine[Any, Any, None]) -> None:
 
     asyncio.run(bounded())
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
