@@ -344,41 +344,45 @@ def test_a_write_of_many_segments_is_left_to_bounded_windows() -> None:
     assert len(sizes) == 3 and max(sizes) <= 1000
 
 
-@pytest.mark.parametrize("build", [iov.few, iov.one_call])
+@pytest.mark.parametrize("build", [iov.few, iov.prebuilt])
 @pytest.mark.parametrize("kind", KINDS)
-def test_one_call_writes_fit_one_syscall_and_land_every_byte(kind: str, build: object) -> None:
-    """What the serving thread pulls itself — a small write in Python integers
-    (``few``), or any write one call takes (``one_call``) — is one call's worth (at most
-    IOV_MAX iovecs a side, BATCH_BYTES in all) and lands every byte as the numpy
-    executor does; a larger write is left to the windows."""
+def test_prebuilt_writes_are_one_window_and_land_every_byte(kind: str, build: object) -> None:
+    """What a write's check builds — a small write in Python integers (``few``, always
+    one call's worth), or any write of few units (``prebuilt``) — lands every byte as the
+    numpy executor does, in one call when ``one_syscall`` says so (at most IOV_MAX
+    iovecs a side, BATCH_BYTES in all); a larger write is left to the windows."""
     b = _builder(12)
     p = b.plan(kind)
     want = b.expected(p)
     src, dst = decode_write(encode_write(p))
     got = build(src, dst)  # type: ignore[operator]
     if got is None:
-        assert build is iov.one_call or p.nbytes > iov.BATCH_BYTES \
+        assert build is iov.prebuilt or p.nbytes > iov.BATCH_BYTES \
             or p.num_segments > 4 * iov.FEW, kind
         return
     local, remote = got
-    assert local.nbytes == remote.nbytes == p.nbytes <= iov.BATCH_BYTES
-    assert len(local.rows) <= IOV_MAX and len(remote.rows) <= IOV_MAX
+    one = iov.one_syscall(got)
+    assert one or build is iov.prebuilt
+    assert one == (local.nbytes <= iov.BATCH_BYTES and len(local.rows) <= IOV_MAX
+                   and len(remote.rows) <= IOV_MAX)
+    assert local.nbytes == remote.nbytes == p.nbytes
     fake = FakeReadV()
     if p.nbytes:
         iov.pull(fake, os.getpid(), local, remote, 0, local.nbytes, stop=lambda: None)
-        assert fake.calls == 1
+        assert fake.calls == 1 or not one
     for (_, d), exp in zip(b.dsts, want, strict=True):
         assert np.array_equal(d, exp)
 
 
 @pytest.mark.parametrize(("pages", "one"), [(800, True), (1100, False)])
-def test_one_call_takes_up_to_iov_max_scattered_pages(pages: int, one: bool) -> None:
+def test_one_syscall_takes_up_to_iov_max_scattered_pages(pages: int, one: bool) -> None:
     """800 scattered 4 KiB pages (more than the Python path takes) are still one call;
-    1100 are more iovecs than one call takes."""
+    1100 are more iovecs than one call takes, yet built as checked all the same."""
     b = _builder(13)
     page = 4096
     e = b.pair(src_unit=page, dst_unit=page, cap=2 * pages, n=pages,
                pieces=[[0, 0, page, 1, page, page]])
     src, dst = decode_write(encode_write(Plan(entries=(e,))))
     assert iov.few(src, dst) is None
-    assert (iov.one_call(src, dst) is not None) is one
+    got = iov.prebuilt(src, dst)
+    assert got is not None and iov.one_syscall(got) is one

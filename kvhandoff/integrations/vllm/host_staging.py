@@ -122,20 +122,18 @@ def host_storage(nbytes: int, *, pin: bool, allocate: Allocate | None = None
 
 def staging_path_option(extra: Mapping[str, object]) -> StagingPath:
     """``kv_connector_extra_config.staging_path`` (``blocks`` when absent)."""
-    value = extra.get("staging_path", StagingPath.BLOCKS)
-    if not isinstance(value, str):
-        raise StagingError(f"kv_connector_extra_config.staging_path must be one of "
-                           f"{[p.value for p in StagingPath]}, got {value!r}")
-    return _path(value)
+    return _path(extra.get("staging_path", StagingPath.BLOCKS),
+                 "kv_connector_extra_config.staging_path")
 
 
-def _path(value: StagingPath | str) -> StagingPath:
-    """``value`` as a :class:`StagingPath`, or a :class:`StagingError` naming the choices."""
+def _path(value: object, what: str = "staging path") -> StagingPath:
+    """``value`` as a :class:`StagingPath`, or a :class:`StagingError` naming ``what`` and
+    the choices."""
     try:
         return StagingPath(value)
     except ValueError:
-        raise StagingError(f"staging path {value!r} is not one of "
-                           f"{[p.value for p in StagingPath]}") from None
+        raise StagingError(f"{what} must be one of {[p.value for p in StagingPath]}, "
+                           f"got {value!r}") from None
 
 
 def tensor_info(t: torch.Tensor) -> TensorInfo:

@@ -128,17 +128,23 @@ def few(src: Records, dst: Records, most: int = 4 * FEW) -> tuple[Side, Side] | 
     return _rows(local), _rows(remote)
 
 
-def one_call(src: Records, dst: Records) -> tuple[Side, Side] | None:
-    """``(local, remote)`` of a write that one syscall pulls — at most ``IOV_MAX``
-    iovecs a side once merged and :data:`BATCH_BYTES` in all —; None for a larger one.
-    A small write in Python integers (:func:`few`), a larger one by :func:`whole`."""
+def prebuilt(src: Records, dst: Records) -> tuple[Side, Side] | None:
+    """``(local, remote)`` of a write cheap to build when it is checked, as one window: a
+    small one in Python integers (:func:`few`), one of at most ``2 * IOV_MAX`` units by
+    :func:`whole` (the window :func:`windows` would build); None for a larger one, left
+    to the windows. :func:`one_syscall` says whether one call pulls it."""
     got = few(src, dst)
     if got is None and len(src.idx) <= 2 * IOV_MAX:
         got = whole(src, dst, 4 * IOV_MAX)
-        if got is not None and (got[0].nbytes > BATCH_BYTES or len(got[0].rows) > IOV_MAX
-                                or len(got[1].rows) > IOV_MAX):
-            return None
     return got
+
+
+def one_syscall(sides: tuple[Side, Side]) -> bool:
+    """Whether one syscall pulls ``(local, remote)``: at most ``IOV_MAX`` iovecs a side
+    once merged and :data:`BATCH_BYTES` in all."""
+    local, remote = sides
+    return (local.nbytes <= BATCH_BYTES and len(local.rows) <= IOV_MAX
+            and len(remote.rows) <= IOV_MAX)
 
 
 def _rows_per_unit(rec: list[int]) -> int:

@@ -98,13 +98,13 @@ class _Pull:
     dst: Records
     notice: bytes | None
     deadline: float  # monotonic: past it the sender may have given up
-    sides: tuple[iov.Side, iov.Side] | None  # one syscall's iovecs, built when checked
+    sides: tuple[iov.Side, iov.Side] | None  # its one window, when built as checked
     weight: int  # its descriptor's bytes, counted against QUEUE_BYTES while queued
 
     @property
     def small(self) -> bool:
         """One syscall's worth: the serving thread may pull it itself."""
-        return self.sides is not None
+        return self.sides is not None and iov.one_syscall(self.sides)
 
 
 class CmaServer(ThreadedServer):
@@ -320,7 +320,7 @@ class _Connection:
         if problem is not None:
             return _Reply(h.seq, Status.OUT_OF_BOUNDS, problem)
         return _Pull(h.seq, src, dst, notice, time.monotonic() + self.server.io_timeout / 2,
-                     iov.one_call(src, dst), len(desc))
+                     iov.prebuilt(src, dst), len(desc))
 
     # --- the copier -----------------------------------------------------------------------
 
