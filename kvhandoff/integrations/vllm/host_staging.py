@@ -129,11 +129,10 @@ def staging_path_option(extra: Mapping[str, object]) -> StagingPath:
 def _path(value: object, what: str = "staging path") -> StagingPath:
     """``value`` as a :class:`StagingPath`, or a :class:`StagingError` naming ``what`` and
     the choices."""
-    try:
+    if isinstance(value, str) and value in {p.value for p in StagingPath}:
         return StagingPath(value)
-    except ValueError:
-        raise StagingError(f"{what} must be one of {[p.value for p in StagingPath]}, "
-                           f"got {value!r}") from None
+    raise StagingError(f"{what} must be one of {[p.value for p in StagingPath]}, "
+                       f"got {value!r}")
 
 
 def tensor_info(t: torch.Tensor) -> TensorInfo:
