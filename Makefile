@@ -8,7 +8,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvhandoff-installed
 
-.PHONY: demo docs test lint typecheck unit gpu-check bench-planner bench-session bench-transport bench-vllm bench-sglang venv system-deps engines clean \
+.PHONY: demo docs test lint typecheck unit gpu-check bench-planner bench-session bench-transport bench-busy bench-vllm bench-sglang venv system-deps engines clean \
 	vllm-venv demo-vllm sglang-venv demo-sglang sweep soak test-stress test-stress-faults
 
 venv: $(STAMP)
@@ -227,6 +227,9 @@ bench-session: $(STAMP)
 
 bench-transport: $(STAMP)
 	$(BIN)/kvhandoff bench transport
+
+bench-busy: $(STAMP)
+	$(BIN)/kvhandoff bench busy
 
 # KvhandoffConnector against vLLM's NixlConnector, real servers (.venv-vllm); BENCH_VLLM
 # passes options, e.g. BENCH_VLLM="--transport nixl".

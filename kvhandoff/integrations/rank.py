@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import overload
 
 from kvhandoff.errors import LayoutError
+from kvhandoff.integrations.gil import quicken
 from kvhandoff.layout import Layout
 from kvhandoff.session.config import SessionConfig
 from kvhandoff.session.rank.agent import (
@@ -127,6 +128,8 @@ def open_rank(layout: Layout, config: SessionConfig, *, role: Role | str,
     :func:`open_transport`, when the memory came from it) or, by default, with a new
     transport keyed by ``config``'s deployment secret. The agent owns the transport
     either way (closing the agent closes it). A prefill rank registers with the bootstrap
-    server at ``bootstrap_url``."""
+    server at ``bootstrap_url``. The process's GIL switch interval is lowered to
+    ``config.switch_interval_us`` (:mod:`kvhandoff.integrations.gil`)."""
+    quicken(config.switch_interval_us)
     return Agent(layout, role=role, config=config, transport=transport, own_transport=True,
                  bootstrap_url=bootstrap_url, dp_rank=dp_rank, dp_size=dp_size, name=name)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from kvhandoff.session.config import add_timeout_arguments
 
-BENCHMARKS = ["session", "transport", "vllm", "sglang"]
+BENCHMARKS = ["session", "transport", "busy", "vllm", "sglang"]
 
 Args = argparse.Namespace
 Parser = argparse.ArgumentParser

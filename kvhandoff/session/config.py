@@ -41,6 +41,10 @@ Transport: ``transport`` [auto] names it (``KVHANDOFF_TRANSPORT``): ``auto`` pic
 peer, the fastest both sides can use (cma on one host, tcp or RDMA across hosts; see
 :mod:`kvhandoff.transport.auto`); ``transport_options`` go to its constructor.
 
+Threads inside an engine: ``switch_interval_us`` (``KVHANDOFF_SWITCH_INTERVAL_US``, 100 by
+default) — an engine rank (:func:`~kvhandoff.integrations.rank.open_rank`) lowers the interpreter's
+GIL switch interval to at most this; 0 leaves it alone (:mod:`kvhandoff.integrations.gil`).
+
 Security: ``secret_file`` (``KVHANDOFF_SECRET_FILE``) names the deployment secret
 (:mod:`kvhandoff.secret`); without one, the user's default secret is used (made on first
 use, readable by this user only), so a deployment is closed to other users without any
@@ -113,6 +117,7 @@ class SessionConfig:
     trace: str = ""  # append a JSON line per finished request to this file ("": off)
     secret_file: str = ""  # the deployment secret (kvhandoff.secret; "": the user's default)
     insecure: bool = False  # no deployment secret at all: anyone who reaches us is trusted
+    switch_interval_us: float = 100.0  # engine ranks: the GIL switch interval, at most (0: keep)
 
     def __post_init__(self) -> None:
         problems = []
@@ -132,6 +137,10 @@ class SessionConfig:
             problems.append("register_retries must be >= 0, max_pending_inits and workers >= 1")
         if not _INSTANCE.match(self.instance):
             problems.append(f"instance {self.instance!r} must match {_INSTANCE.pattern}")
+        if not (isinstance(self.switch_interval_us, int | float)
+                and 0 <= self.switch_interval_us <= 1e6):
+            problems.append(f"switch_interval_us must be 0 (keep the interpreter's) or up to "
+                            f"1e6 microseconds, got {self.switch_interval_us!r}")
         if self.insecure and self.secret_file:
             problems.append(f"insecure and secret_file ({self.secret_file}) exclude each "
                             "other: choose one")

@@ -287,7 +287,7 @@ class Remote:
         self.endpoint, self.base = self.conn.recv()
         self.mirror = noise(np.random.default_rng(3), nbytes)
 
-    def ask(self, cmd: str) -> Any:
+    def ask(self, cmd: str | tuple[str, float]) -> Any:
         self.conn.send(cmd)
         if not self.conn.poll(120):
             raise TimeoutError(f"receiver did not answer {cmd!r}")
@@ -303,7 +303,7 @@ class Remote:
         self.conn.close()
 
 
-def _carve(buf: np.ndarray) -> Callable[[int], np.ndarray]:
+def carve(buf: np.ndarray) -> Callable[[int], np.ndarray]:
     """Consecutive slices of one registered source buffer."""
     pos = [0]
 
@@ -321,7 +321,7 @@ def _cases(remote: Remote, src: np.ndarray, total: int, cases: tuple[str, ...]
     for case in cases:
         if case == "tiny":
             continue  # a latency case: see tiny_latency
-        b = PlanBuilder(np.random.default_rng(7), _carve(src), bump(remote.base, remote.mirror))
+        b = PlanBuilder(np.random.default_rng(7), carve(src), bump(remote.base, remote.mirror))
         out.append((case, build(case, b, total), b))
     return out
 
@@ -363,7 +363,7 @@ def _own_cpu() -> float:
     return u.ru_utime + u.ru_stime
 
 
-def _verifier(remote: Remote, b: PlanBuilder, plan: Plan) -> Callable[[], bool]:
+def verifier(remote: Remote, b: PlanBuilder, plan: Plan) -> Callable[[], bool]:
     want = b.expected(plan)  # before anything moved: the mirror is the receiver's state
 
     def verify() -> bool:
@@ -405,7 +405,7 @@ def run_transport(name: str, total: int, reps: int, cases: tuple[str, ...],
                     if state is not TransferState.DONE:
                         raise RuntimeError(f"{state.value}: {h.error}")
 
-                _warm(row, run, _verifier(remote, b, plan))
+                _warm(row, run, verifier(remote, b, plan))
                 runs.append((row, run))
             _rounds(runs, reps, refs, remote)
             for row, _ in runs:
@@ -422,30 +422,36 @@ def run_transport(name: str, total: int, reps: int, cases: tuple[str, ...],
     return [row for row, _ in runs], idle
 
 
-def _latency(samples: list[float]) -> dict[str, float]:
+def latency(samples: list[float]) -> dict[str, float]:
     xs = sorted(samples)
     return {"p50_ms": 1e3 * xs[len(xs) // 2], "p99_ms": 1e3 * xs[min(len(xs) - 1,
                                                                    int(0.99 * len(xs)))],
             "n": len(xs)}
 
 
+def timed_handoff(sender: Any, peer: Any, plan: Plan, what: str) -> float:
+    """Seconds from submitting ``plan`` to ``peer`` until it is done; raises naming
+    ``what`` if it ends otherwise."""
+    t = time.perf_counter()
+    h = sender.submit(peer, plan)
+    state = sender.wait(h, TIMEOUT)
+    dt = time.perf_counter() - t
+    h.release()
+    if state is not TransferState.DONE:
+        raise RuntimeError(f"{what} {state.value}: {h.error}")
+    return dt
+
+
 def tiny_latency(sender: Any, peer: Any, remote: Remote, src: np.ndarray,
                  n: int = TINY_N) -> dict[str, Any]:
     """p50/p99 of submit → wait(DONE) of a tiny handoff, one at a time (checked
     byte-exact once), and the CPU both processes spend per handoff."""
-    b = PlanBuilder(np.random.default_rng(11), _carve(src), bump(remote.base, remote.mirror))
+    b = PlanBuilder(np.random.default_rng(11), carve(src), bump(remote.base, remote.mirror))
     plan = Plan(entries=tuple(b.tiny_handoff()))
-    verify = _verifier(remote, b, plan)
+    verify = verifier(remote, b, plan)
 
     def once() -> float:
-        t = time.perf_counter()
-        h = sender.submit(peer, plan)
-        state = sender.wait(h, TIMEOUT)
-        dt = time.perf_counter() - t
-        h.release()
-        if state is not TransferState.DONE:
-            raise RuntimeError(f"tiny handoff {state.value}: {h.error}")
-        return dt
+        return timed_handoff(sender, peer, plan, "tiny handoff")
 
     out: dict[str, Any] = {"segments": plan.num_segments, "nbytes": plan.nbytes}
     try:
@@ -456,7 +462,7 @@ def tiny_latency(sender: Any, peer: Any, remote: Remote, src: np.ndarray,
         for _ in range(TINY_WARM):
             once()
         r0, u0 = float(remote.ask("cpu")), _own_cpu()
-        out.update(_latency([once() for _ in range(n)]))
+        out.update(latency([once() for _ in range(n)]))
         out["cpu_ms_per_handoff"] = {"sender": 1e3 * (_own_cpu() - u0) / n,
                                      "receiver": 1e3 * (float(remote.ask("cpu")) - r0) / n}
     except Exception as e:
@@ -486,7 +492,7 @@ def pingpong(nbytes: int, n: int = TINY_N) -> dict[str, Any]:
                     raise RuntimeError("ping-pong sink went away")
                 if i >= TINY_WARM:
                     samples.append(time.perf_counter() - t)
-        return {**_latency(samples), "nbytes": nbytes}
+        return {**latency(samples), "nbytes": nbytes}
     finally:
         a.close()
         proc.join(30)
@@ -548,7 +554,7 @@ def run_mooncake_raw(total: int, reps: int, cases: tuple[str, ...]) -> list[Row]
                     if rc != 0:
                         raise RuntimeError(f"batch_transfer_sync_write returned {rc}")
 
-            _warm(row, run, _verifier(remote, b, plan))
+            _warm(row, run, verifier(remote, b, plan))
             runs.append((row, run))
         _rounds(runs, min(reps, 2), None, remote)  # slow (request-bound): two rounds do
         for row, _ in runs:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
+import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -201,15 +203,50 @@ class PlanBuilder:
         return copies
 
 
+class BusyLoop:
+    """An engine's step loop as the GIL sees it: a Python thread that never blocks.
+    :meth:`spin` starts one (at most one) and sets the process's GIL switch interval;
+    :meth:`stop` ends it and puts the interval back."""
+
+    def __init__(self) -> None:
+        self._halt = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._interval = sys.getswitchinterval()
+        self.turns = 0  # loop iterations so far: the engine's progress
+
+    def spin(self, switch_interval: float) -> None:
+        self.stop()
+        self._interval = sys.getswitchinterval()
+        sys.setswitchinterval(switch_interval)
+        self._halt.clear()
+        self._thread = threading.Thread(target=self._loop, name="busy-loop", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        halt = self._halt
+        while not halt.is_set():
+            self.turns += 1  # Python bytecode, holding the GIL between forced switches
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._halt.set()
+            self._thread.join(10)
+            self._thread = None
+            sys.setswitchinterval(self._interval)
+
+
 def serve_peer(conn: Connection, name: str, options: dict[str, Any], nbytes: int,
                seed: int) -> None:
     """Child-process receiver: allocates ``nbytes`` of noise (``seed``) through the
     transport, sends ``(endpoint, address)``, then answers commands until "exit":
     "sha" → sha256 of the buffer, "bytes" → the buffer, "cpu" → this process's CPU
-    seconds so far (all threads). Exits if the parent goes away."""
+    seconds so far (all threads), ``("busy", interval_s)`` → a :class:`BusyLoop` spins at
+    that GIL switch interval (answers the interval in force), "calm" → it stops. Exits if
+    the parent goes away."""
     from kvhandoff.transport.registry import create_transport
 
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    busy = BusyLoop()
     with create_transport(name, **options) as t:
         buf = t.allocate(nbytes)
         buf[:] = noise(np.random.default_rng(seed), nbytes)
@@ -227,5 +264,11 @@ def serve_peer(conn: Connection, name: str, options: dict[str, Any], nbytes: int
                 conn.send(os.getpid())
             elif cmd == "cpu":
                 conn.send(time.process_time())
+            elif isinstance(cmd, tuple) and cmd[0] == "busy":
+                busy.spin(cmd[1])
+                conn.send(sys.getswitchinterval())
+            elif cmd == "calm":
+                busy.stop()
+                conn.send(True)
             else:
                 break
