@@ -38,7 +38,7 @@ import time
 import urllib.parse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Annotated, TypeVar
+from typing import Annotated, Any, TypeVar, cast
 
 import msgspec
 from msgspec import Meta
@@ -314,6 +314,23 @@ class BootstrapTimeout(BootstrapError, TimeoutError):
 # and a cluster-wide proxy must never sit between a rank and its bootstrap server.
 
 _T = TypeVar("_T")
+_DECODERS: dict[type, msgspec.json.Decoder[Any]] = {
+    kind: msgspec.json.Decoder(kind) for kind in (
+        RankRecord, RankId, RegisterReply, DeregisterReply, InstanceInfo, NotReady, Health,
+        ErrorBody)}
+"""Every bootstrap message's decoder, built at import, in one thread. msgspec builds a
+Struct type's decoding tables on its first decode, and two threads doing that first
+decode at once can read half-built tables and crash the process (a segfault, seen when
+the ranks of one decode looked their prefill up together); once built they are shared
+safely."""
+
+
+def decode_as(data: bytes, kind: type[_T]) -> _T:
+    """``data`` (JSON) as a ``kind`` bootstrap message, through its prebuilt decoder;
+    raises ``msgspec.MsgspecError`` (or ``ValueError`` for invalid UTF-8) when it is not."""
+    return cast(_T, _DECODERS[kind].decode(data))
+
+
 _jitter = random.Random()
 # Failures worth another attempt: the network, and 5xx except 507 (registry full —
 # retrying within a backoff budget will not free room).
@@ -352,7 +369,7 @@ def _request(url: str, method: str, path: str, body: bytes | None, timeout: floa
 
 def _error_body(data: bytes) -> ErrorBody | None:
     try:
-        return msgspec.json.decode(data, type=ErrorBody)
+        return decode_as(data, ErrorBody)
     except msgspec.MsgspecError:
         return None
 
@@ -365,7 +382,7 @@ def _describe(status: int, data: bytes) -> str:
 
 def _decode(data: bytes, kind: type[_T], what: str) -> _T:
     try:
-        return msgspec.json.decode(data, type=kind)
+        return decode_as(data, kind)
     except msgspec.MsgspecError as e:
         raise BootstrapError(f"{what}: unreadable answer from bootstrap server: {e}") from e
 
@@ -409,7 +426,7 @@ def _validated(record: RankRecord) -> bytes:
     constraints only on decode), so a bad record fails here with the server's words."""
     data = msgspec.json.encode(record)
     try:
-        msgspec.json.decode(data, type=RankRecord)
+        decode_as(data, RankRecord)
     except msgspec.ValidationError as e:
         raise BootstrapRejected(f"invalid bootstrap record for {record.where()} "
                                 f"(not sent): {e}", status=None) from e
@@ -532,7 +549,7 @@ def lookup(url: str, instance: str, *, filters: RankFilter | None = None,
 
 def _not_ready(data: bytes) -> NotReady | None:
     try:
-        return msgspec.json.decode(data, type=NotReady)
+        return decode_as(data, NotReady)
     except msgspec.MsgspecError:
         return None  # a 503 that is not ours (a proxy, a server shutting down)
 

@@ -67,6 +67,7 @@ from kvhandoff.bootstrap.client import (
     RankRecord,
     RegisterReply,
     Slot,
+    decode_as,
 )
 from kvhandoff.bootstrap.doors import Doors, accept_loop
 from kvhandoff.bootstrap.metrics import BootstrapMetrics
@@ -440,7 +441,7 @@ async def _signed_body(request: web.Request) -> bytes:
 
 def _decode(request: web.Request, data: bytes, kind: type[_T]) -> _T:
     try:
-        return msgspec.json.decode(data, type=kind)
+        return decode_as(data, kind)
     except (msgspec.MsgspecError, ValueError) as e:  # ValueError: invalid UTF-8 (L1)
         raise Refused(400, "malformed", f"{request.method} {request.path}: invalid "
                       f"{kind.__name__} body: {e}") from e
