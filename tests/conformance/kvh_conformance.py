@@ -24,8 +24,11 @@ from kvhandoff.transport import (
     create_transport,
 )
 
-# Short timeouts so fault tests finish quickly; engines not listed use their defaults.
-_SHORT = {"io_timeout": 3.0, "connect_timeout": 3.0}
+# A connect timeout short enough that refusals are seen quickly. The I/O timeout is not
+# short: it bounds healthy transfers too (cma's receiver will not start a copy older than
+# half of it), and a starved machine (`make test-stress`, 12 hogs on 2 cores) can hold a
+# queued copy for seconds. Tests that want a frozen peer noticed pass their own.
+_SHORT = {"io_timeout": 30.0, "connect_timeout": 3.0}
 OPTIONS: dict[str, dict[str, Any]] = {n: dict(_SHORT) for n in ("tcp", "shm", "cma", "auto",
                                                                 "mooncake", "nixl")}
 
