@@ -1,8 +1,9 @@
 """The GIL inside an engine: how long kvhandoff's threads wait for it.
 
-An engine's step loop is Python that rarely blocks: vLLM's engine core steps without
-pause while a request waits for its KV (to poll the connector), and SGLang's scheduler
-polls its queues the same way. A thread of kvhandoff that wakes there (the data server
+An engine's step loop is Python that rarely blocks while the engine has work: a loaded
+vLLM engine core runs one step after another for the requests it serves (polling the
+connector between them), and SGLang's scheduler loop polls its queues between batches. A
+thread of kvhandoff that wakes there (the data server
 taking a write, the sender reading the acknowledgement, the control socket) must then
 wait for the loop to hand over the GIL, which CPython asks it to do only every
 ``sys.getswitchinterval()`` — 5 ms by default, ten times what moving a 512-token
