@@ -50,7 +50,7 @@ class Series:
 HANDOFF_SECONDS = Series("kvhandoff_handoff_seconds", "A successful handoff, opened to "
                          "settled (prefill) or landed (decode)", ("role",), SECONDS_BUCKETS)
 PHASE_SECONDS = Series("kvhandoff_phase_seconds", "Each phase of a successful handoff "
-                       "(prefill: wait_indices, prepare, transfer, settle; decode: "
+                       "(prefill: wait_indices, prepare, transfer, move, settle; decode: "
                        "bootstrap, transfer)", ("role", "phase"), SECONDS_BUCKETS)
 HANDOFF_BYTES = Series("kvhandoff_handoff_bytes", "Bytes a successful handoff moved",
                        ("role",), BYTES_BUCKETS)

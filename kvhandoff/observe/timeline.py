@@ -7,12 +7,17 @@ event wins, so a retried or repeated step does not move it. Readers take the sec
 between two events (:meth:`Timeline.span`), which is how a host measures a phase
 exactly instead of from when it happened to poll::
 
-    prefill   opened ─ indices ─ write ─────── written ─ settled
-    decode    opened ─ asked ───────────────── landed
+    prefill   opened ─ indices ─ write ─ moving ─ moved ─ written ─ settled
+    decode    opened ─ asked ───────────────────────────── landed
 
 * ``indices``: decode's indices reached prefill (the first of its ranks' inits);
 * ``write`` … ``written``: prefill's first transport write submitted … its last one
   acknowledged by the transport (the bytes are in decode's memory);
+* ``moving`` … ``moved``: the same writes timed where the bytes move. A transport whose
+  receiver pulls (cma) reports the receiver's own span, from having a write's frame to
+  its last byte pulled, which leaves out the two wake-ups around it (the frame reaching
+  the receiver, its reply reaching prefill); for every other transport they are
+  ``write`` and ``written``;
 * ``asked``: decode posted its indices (the first rank's init);
 * ``landed``: decode verified the last status and the arrival guard (SUCCESS).
 
@@ -28,6 +33,8 @@ OPENED = "opened"
 INDICES = "indices"
 WRITE = "write"
 WRITTEN = "written"
+MOVING = "moving"
+MOVED = "moved"
 SETTLED = "settled"
 ASKED = "asked"
 LANDED = "landed"
@@ -71,16 +78,26 @@ class Timeline:
 
 PHASES: Mapping[str, tuple[tuple[str, str, str], ...]] = {
     "prefill": (("wait_indices", OPENED, INDICES), ("prepare", INDICES, WRITE),
-                ("transfer", WRITE, WRITTEN), ("settle", WRITTEN, SETTLED)),
+                ("transfer", WRITE, WRITTEN), ("move", MOVING, MOVED),
+                ("settle", WRITTEN, SETTLED)),
     "decode": (("bootstrap", OPENED, ASKED), ("transfer", ASKED, LANDED)),
 }
 """Per role, the phases of a handoff as (phase, from event, to event): prefill waits for
 decode's indices, prepares its first write (``prepare``: the engine's ``send`` if it comes
 later, planning, and the transport's own preparation: bounds checks, descriptors, its
 queue), writes (``transfer``: from the transport starting to move the first write's bytes
-— ``Handle.started``, the span NIXL's ``xferDuration`` covers — until it acknowledged the
-last write) and settles; decode looks prefill up and handshakes (``bootstrap``), then
-waits for the bytes and verifies them (``transfer``: its indices out until SUCCESS)."""
+— ``Handle.started`` — until it acknowledged the last write; ``move``: within it, the
+bytes moving, timed by the side that moves them — ``Handle.moving`` to ``Handle.moved``,
+the span NIXL's ``xferDuration`` covers for its READs) and settles; decode looks prefill
+up and handshakes (``bootstrap``), then waits for the bytes and verifies them
+(``transfer``: its indices out until SUCCESS)."""
+
+ORDER: Mapping[str, tuple[str, ...]] = {
+    "prefill": (OPENED, INDICES, WRITE, MOVING, MOVED, WRITTEN, SETTLED),
+    "decode": (OPENED, ASKED, LANDED),
+}
+"""Per role, its events in the order a handoff reaches them (each at the latest when the
+next one is stamped)."""
 
 END: Mapping[str, str] = {"prefill": SETTLED, "decode": LANDED}
 """The event that ends a successful handoff, per role."""

@@ -159,7 +159,7 @@ class Handle:
     """
 
     __slots__ = ("_callbacks", "_cond", "_error", "_on_release", "_released", "_state",
-                 "finished", "nbytes", "peer", "started")
+                 "finished", "moved", "moving", "nbytes", "peer", "started")
 
     def __init__(self, *, nbytes: int, peer: str = "",
                  on_release: Callable[[Handle], None] | None = None) -> None:
@@ -178,6 +178,13 @@ class Handle:
         guess)."""
         self.finished: float | None = None
         """When the handle became final (``time.monotonic()``)."""
+        self.moving: float | None = None
+        self.moved: float | None = None
+        """When the bytes began and ended moving, timed where they moved, on this
+        process's ``time.monotonic()``: set before completion by a transport whose
+        receiver moves them (cma's pull; its span leaves out the wake-ups that carry the
+        request there and the answer back). None: ``started`` and ``finished`` are that
+        span."""
 
     @classmethod
     def completed(cls, *, nbytes: int = 0, peer: str = "") -> Handle:

@@ -199,7 +199,7 @@ def test_a_handoff_moves_every_group_and_reports_it(pair: tuple[Side, Side, str]
     assert pstats["outcomes"] == [["prefill", "success"]]
     # phases from the requests' timelines: every event happened, in order (no negative span)
     assert {ph for _, ph, _ in pstats["phase_seconds"]} == {"wait_indices", "prepare",
-                                                             "transfer", "settle"}
+                                                             "transfer", "move", "settle"}
     assert all(s >= 0 for *_, s in pstats["phase_seconds"] + stats["phase_seconds"])
 
 

@@ -77,7 +77,8 @@ def test_handoffs_move_the_metrics_and_write_traces(tmp_path: Path) -> None:
         ("gone-2", "decode", "failed"), ("gone-2", "prefill", "failed"),
         ("ok-1", "decode", "success"), ("ok-1", "prefill", "success")]
     ok = {r["role"]: r for r in rows if r["request"] == "ok-1"}
-    assert set(ok["prefill"]["phases"]) == {"wait_indices", "prepare", "transfer", "settle"}
+    assert set(ok["prefill"]["phases"]) == {"wait_indices", "prepare", "transfer", "move",
+                                            "settle"}
     assert set(ok["decode"]["phases"]) == {"bootstrap", "transfer"}
     assert ok["prefill"]["bytes"]["total"] == ok["decode"]["bytes"]["total"] > 0
     # prefill names what it planned per component (its layout's), and each side its peer

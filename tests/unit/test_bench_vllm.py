@@ -12,10 +12,10 @@ from kvhandoff.lab.bench import vllm as bench
 
 
 def _row(tokens: int, transfer: list[float], *, memcpy: float | None = None,
-         nbytes: int = 1 << 20) -> dict[str, Any]:
+         nbytes: int = 1 << 20, move: list[float] | None = None) -> dict[str, Any]:
     row: dict[str, Any] = {"prompt_tokens": tokens, "ok": True, "error": None,
                            "ttft_ms": [10.0], "transfer_ms": transfer, "load_ms": [1.0],
-                           "prepare_ms": [0.1], "bytes": nbytes}
+                           "prepare_ms": [0.1], "bytes": nbytes, "move_ms": move or []}
     if memcpy is not None:
         row["memcpy_ms"] = memcpy
     return row
@@ -25,8 +25,8 @@ def _results() -> dict[str, dict[str, Any]]:
     rate = {"requests_per_s": 2.0}
     return {"kvhandoff": {"transport": "auto→cma", "rate": rate, "rows": [
                 _row(64, [9.0, 9.0], memcpy=0.01),  # small prompts do not count
-                _row(512, [0.2, 0.3, 0.4], memcpy=0.1),
-                _row(900, [0.5, 0.6, 0.7], memcpy=0.2)]},
+                _row(512, [0.2, 0.3, 0.4], memcpy=0.1, move=[0.1, 0.2, 0.1]),
+                _row(900, [0.5, 0.6, 0.7], memcpy=0.2, move=[0.3, 0.2, 0.4])]},
             "nixl": {"rate": rate, "rows": [
                 _row(64, [0.1]), _row(512, [0.5, 0.5, 0.6]), _row(900, [1.0, 0.9, 1.1])]}}
 
@@ -37,8 +37,13 @@ def test_the_verdict_is_the_worst_prompt_of_512_tokens_or_more() -> None:
     assert by_tokens[512]["transfer_ms"]["ratio"] == pytest.approx(0.3 / 0.5)
     assert by_tokens[900]["transfer_ms"]["ratio"] == pytest.approx(0.6 / 1.0)
     assert by_tokens[900]["memcpy_ratio"] == pytest.approx(0.6 / 0.2)
+    # the bytes moving beside NIXL's READ: shown, never the verdict
+    assert by_tokens[512]["move_ms"] == {"kvhandoff": 0.1, "nixl": 0.5,
+                                         "ratio": pytest.approx(0.2)}
+    assert by_tokens[64]["move_ms"]["ratio"] is None
     assert cmp["verdict"] == {"transport": "auto→cma", "vs_nixl": pytest.approx(0.6),
-                              "vs_memcpy": pytest.approx(3.0)}
+                              "vs_memcpy": pytest.approx(3.0),
+                              "move_vs_nixl": pytest.approx(0.3)}
     met = {g["what"].split(",")[0]: g["met"] for g in cmp["goals"]}
     assert met["transfer vs NIXL"] and not met["transfer vs one memcpy"]
     assert bench.verdict_line(cmp) == ("transfer vs NIXL on the default transport "

@@ -20,8 +20,10 @@ from kvhandoff.transport.cma import iov
 from kvhandoff.transport.cma.frames import (
     MAX_REGIONS,
     decode_hello,
+    decode_moved,
     decode_write,
     encode_hello,
+    encode_moved,
     encode_write,
 )
 from kvhandoff.transport.cma.kernel import IOV, IOV_MAX, iovecs, process_vm_readv
@@ -386,3 +388,15 @@ def test_one_syscall_takes_up_to_iov_max_scattered_pages(pages: int, one: bool) 
     assert iov.few(src, dst) is None
     got = iov.prebuilt(src, dst)
     assert got is not None and iov.one_syscall(got) is one
+
+
+def test_the_receivers_span_is_taken_only_when_it_fits_the_senders_clock() -> None:
+    assert decode_moved(encode_moved(10.5, 10.75), 10.0, 11.0) == (10.5, 10.75)
+    assert decode_moved(encode_moved(10.0, 11.0), 10.0, 11.0) == (10.0, 11.0)
+    # another clock (a time namespace), a span reversed, or nothing usable: no figure
+    for body, sent, now in ((encode_moved(9.0, 10.5), 10.0, 11.0),
+                            (encode_moved(10.5, 11.5), 10.0, 11.0),
+                            (encode_moved(10.75, 10.5), 10.0, 11.0),
+                            ("", 10.0, 11.0), ("10.5", 10.0, 11.0), ("a b", 10.0, 11.0),
+                            ("nan 10.5", 10.0, 11.0), ("10.1 10.2 10.3", 10.0, 11.0)):
+        assert decode_moved(body, sent, now) is None, body

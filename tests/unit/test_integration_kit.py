@@ -160,9 +160,10 @@ def test_aux_rows_live_in_the_memory_they_are_given() -> None:
 def test_figures_are_measured_once_from_theticking() -> None:
     f = kit.measure("prefill", ticking("prefill"), nbytes=5, reason=None,
                     component_bytes={"kv": 3, "mamba": 4})
-    assert f.success and f.nbytes == 7 and f.seconds == pytest.approx(0.004)
-    assert set(f.phases) == {"wait_indices", "prepare", "transfer", "settle"}
-    assert f.transfer_seconds == pytest.approx(0.001)
+    assert f.success and f.nbytes == 7 and f.seconds == pytest.approx(0.006)
+    assert set(f.phases) == {"wait_indices", "prepare", "transfer", "move", "settle"}
+    assert f.transfer_seconds == pytest.approx(0.003) and f.phases["move"] == pytest.approx(
+        0.001)
     bad = kit.measure("decode", ticking("decode"), nbytes=5, reason="PeerLost")
     assert (bad.success, bad.outcome, bad.seconds, dict(bad.phases)) == (
         False, "PeerLost", None, {})

@@ -14,7 +14,7 @@ from kvhandoff.observe import trace
 def _timeline(role: str, *, upto: int | None = None) -> tl.Timeline:
     ticks = itertools.count(100.0, 0.002)
     t = tl.Timeline(clock=lambda: next(ticks))
-    for _, _, event in tl.PHASES[role][:upto]:
+    for event in tl.ORDER[role][1:][:upto]:
         t.mark(event)
     return t
 
@@ -35,9 +35,9 @@ def test_a_trace_line_holds_what_a_timeline_needs(tmp_path: Path) -> None:
         ("prefill", "success", None), ("decode", "failed", "PeerLost")]
     p = rows[0]
     assert p["bytes"] == {"kv": 4096, "mamba": 512} and p["peers"] == ["d"]
-    assert list(p["events"]) == [tl.OPENED, tl.INDICES, tl.WRITE, tl.WRITTEN, tl.SETTLED]
+    assert list(p["events"]) == list(tl.ORDER["prefill"])
     assert p["phases"] == pytest.approx({"wait_indices": 0.002, "prepare": 0.002,
-                                         "transfer": 0.002, "settle": 0.002})
+                                         "transfer": 0.006, "move": 0.002, "settle": 0.002})
     assert rows[1]["phases"] == pytest.approx({"bootstrap": 0.002})  # never got further
 
 

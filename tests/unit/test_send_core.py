@@ -176,8 +176,8 @@ def test_a_request_bootstraps_sends_and_settles() -> None:
     (st_,) = statuses(out)
     assert st_.outcome is Outcome.SUCCESS and st_.last and st_.chunk == 0
     assert [e for e in out if isinstance(e, Fire | Mark | Settle)] == [
-        Fire(Event.CHUNK_DONE), Mark(tl.WRITTEN), Fire(Event.ALL_DONE), Mark(tl.SETTLED),
-        Settle()]
+        Fire(Event.CHUNK_DONE), Mark(tl.MOVED), Mark(tl.WRITTEN), Fire(Event.ALL_DONE),
+        Mark(tl.SETTLED), Settle()]
     assert core.status is Status.SUCCESS and core.settled and core.nbytes == 64
     assert not posts(out, AbortAck) and core.peer_endpoints() == set()
 

@@ -64,14 +64,15 @@ class DecodeSide:
 
 class Rig:
     """One prefill and one decode agent of tiny qwen3_next (TP 1 each, unless the
-    topology says otherwise: then rank 0 of each side), in this process."""
+    topology says otherwise: then rank 0 of each side), in this process, on
+    ``transport`` (tcp unless told)."""
 
     def __init__(self, url: str, instance: str, *, topo: Topology | None = None,
                  prefill_cfg: dict[str, Any] | None = None,
                  decode_cfg: dict[str, Any] | None = None,
                  prefill_transport: Transport | None = None,
-                 decode_layout: Layout | None = None) -> None:
-        self.url = url
+                 decode_layout: Layout | None = None, transport: str = "tcp") -> None:
+        self.url, self._transport = url, transport
         self.topo = topo or Topology(shape="qwen3_next", num_pages=64)
         self.scn = Scenario(topo=self.topo, requests=())
         self.parena = Arena((0, PREFILL, 0, 0, 0))
@@ -80,9 +81,10 @@ class Rig:
         self.dst = decode_layout or layout_of(self.topo, DECODE, 0, 0, self.darena)
         self.prefill_cfg = config(instance, **(prefill_cfg or {}))
         self.prefill = Agent.prefill(self.src, bootstrap_url=url, config=self.prefill_cfg,
-                                     transport=prefill_transport or self._tcp())
+                                     transport=prefill_transport or self._own(transport))
         try:
-            self.decode = Agent.decode(self.dst, config=config(instance, **(decode_cfg or {})))
+            self.decode = Agent.decode(self.dst, config=config(
+                instance, **{"transport": transport, **(decode_cfg or {})}))
         except BaseException:
             self.prefill.close()
             raise
@@ -153,11 +155,11 @@ class Rig:
         self.prefill.close()
         self.prefill = Agent.prefill(self.src, bootstrap_url=self.url,
                                      config=self.prefill_cfg.replace(port=port),
-                                     transport=self._tcp())
+                                     transport=self._own(self._transport))
 
-    def _tcp(self) -> Transport:
+    def _own(self, name: str) -> Transport:
         """The prefill agent's transport, keyed with the deployment secret if it has one."""
-        return create_transport("tcp", data_secret=self.prefill_cfg.data_key())
+        return create_transport(name, data_secret=self.prefill_cfg.data_key())
 
     def close(self) -> None:
         for d in self.decodes[1:]:

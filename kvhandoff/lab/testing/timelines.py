@@ -12,6 +12,6 @@ def ticking(role: str, step: float = 0.001) -> tl.Timeline:
     after the one before (on a clock that ticks once per reading)."""
     ticks = itertools.count(0.0, step)
     t = tl.Timeline(clock=lambda: next(ticks))
-    for _, _, event in tl.PHASES[role]:
+    for event in tl.ORDER[role][1:]:
         t.mark(event)
     return t

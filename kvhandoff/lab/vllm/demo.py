@@ -141,6 +141,7 @@ class Handoff:
     local: Completion = field(default_factory=lambda: Completion([], []))
     external_tokens: float = 0.0  # growth of decode's external_kv_transfer prompt tokens
     transfer_ms: float | None = None  # kvhandoff: prefill's writes; NIXL: its READs
+    move_ms: float | None = None  # kvhandoff: the bytes moving, timed where they move
     prepare_ms: float | None = None  # kvhandoff: prefill's planning + the transport's setup
     load_ms: float | None = None  # kvhandoff: decode's indices out → bytes and guard verified
     bytes_by_group: dict[str, int] = field(default_factory=dict)
@@ -149,6 +150,7 @@ class Handoff:
     ttfts_ms: list[float] = field(default_factory=list)  # every trial's
     prefills_ms: list[float] = field(default_factory=list)
     transfers_ms: list[float] = field(default_factory=list)
+    moves_ms: list[float] = field(default_factory=list)
     loads_ms: list[float] = field(default_factory=list)
     prepares_ms: list[float] = field(default_factory=list)
     error: str = ""
@@ -477,9 +479,11 @@ def kvhandoff_rows(pair: Pair, before: Snapshot) -> list[dict[str, Any]]:
 def kvhandoff_transfer(pair: Pair, before: Snapshot, result: Handoff) -> None:
     """Bytes per group, byte equality and times of the one handoff since ``before``:
     transfer ms are prefill's writes (from the transport starting to move the bytes until
-    it acknowledged them: the span NIXL's xferDuration covers for its READs, from the post
-    to completion), prepare ms what comes before on prefill (planning, and the transport's
-    bounds checks and descriptors), load ms decode's indices out → verified."""
+    it acknowledged them), move ms the part in which the bytes moved, timed where they
+    moved (for cma, decode's pull: the span NIXL's xferDuration covers for its READs, from
+    the post to completion on the reader), prepare ms what comes before on prefill
+    (planning, and the transport's bounds checks and descriptors), load ms decode's
+    indices out → verified."""
     rows = kvhandoff_rows(pair, before)
     decoded = [r for r in rows if r["side"] == "decode" and "component" in r]
     requests = {r["request"] for r in decoded}
@@ -496,6 +500,7 @@ def kvhandoff_transfer(pair: Pair, before: Snapshot, result: Handoff) -> None:
             timing[r["side"]] = r["timing"]
     result.bytes_by_group = {r["component"]: int(r["bytes"]) for r in decoded}
     result.transfer_ms = timing["prefill"].get("transfer")
+    result.move_ms = timing["prefill"].get("move")
     result.prepare_ms = timing["prefill"].get("prepare")
     result.load_ms = timing["decode"].get("transfer")
     result.bytes_equal = bool(sides["prefill"]) and sides["prefill"] == sides["decode"]
@@ -538,6 +543,8 @@ def merge(trials: list[Handoff], local: Completion) -> Handoff:
                   external_tokens=min(t.external_tokens for t in trials),
                   ttfts_ms=[t.ttft_ms for t in trials])
     out.transfers_ms = [t.transfer_ms for t in trials if t.transfer_ms is not None]
+    out.moves_ms = [t.move_ms for t in trials if t.move_ms is not None]
+    out.move_ms = statistics.median(out.moves_ms) if out.moves_ms else None
     out.loads_ms = [t.load_ms for t in trials if t.load_ms is not None]
     out.prepares_ms = [t.prepare_ms for t in trials if t.prepare_ms is not None]
     out.prepare_ms = statistics.median(out.prepares_ms) if out.prepares_ms else None
@@ -640,6 +647,8 @@ def _summary(r: Handoff) -> str:
     if r.error:
         return f"✗ {r.error}"
     ms = ", ".join(f"{t:.2f}" for t in r.transfers_ms) or "-"
+    if r.moves_ms and r.moves_ms != r.transfers_ms:
+        ms += f" (bytes moving {', '.join(f'{t:.2f}' for t in r.moves_ms)})"
     load = (f" (prefill's prepare {', '.join(f'{t:.2f}' for t in r.prepares_ms)}; decode's "
             f"load {', '.join(f'{t:.1f}' for t in r.loads_ms)})") if r.loads_ms else ""
     ttft = ", ".join(f"{t:.0f}" for t in r.ttfts_ms)
@@ -846,10 +855,13 @@ LEGEND = ("✓: tokens identical to the local run (the same prompt straight to t
           "prefill's n-1 tokens + decode's last one). Every ✓/≈ also means decode's "
           "prompt_tokens_by_source{external_kv_transfer} grew in every trial (no "
           "recompute), and for kvhandoff that prefill's and decode's block digests are equal. "
-          "Transfer ms is the data movement, the same span for both: kvhandoff's writes on "
-          "prefill (from the transport starting to move the bytes until it acknowledged the "
-          "last of them in decode's memory), NIXL's xferDuration for its READs (its post "
-          "to completion; vllm:nixl_xfer_time_seconds). kvh load ms is decode's whole wait "
+          "Transfer ms: kvhandoff's writes on prefill (from the transport starting to move "
+          "the bytes until it acknowledged the last of them in decode's memory), NIXL's "
+          "xferDuration for its READs (its post to completion on decode; "
+          "vllm:nixl_xfer_time_seconds). Where kvhandoff's receiver moves the bytes (cma "
+          "pulls them), the span in which they moved, timed there, follows in brackets "
+          "('bytes moving'): like NIXL's, it leaves out the wake-ups that carry the request "
+          "to the reader and the answer back. kvh load ms is decode's whole wait "
           "for the state: its indices out until prefill's bytes and the arrival guard are "
           "verified (one control hop to prefill, the planning, the writes and the status "
           "back). TTFT is the client's, through the proxy: prefill hop, handoff and "

@@ -540,6 +540,7 @@ class SendCore(CoreBase):
                 t.held_last = None
         if self._last_given and not self._queued and not self._pending and all(
                 x.finished for x in self.targets.values()):
+            self._emit(Mark(tl.MOVED))
             self._emit(Mark(tl.WRITTEN))
             self._fire(Event.ALL_DONE)
             self._maybe_settled()

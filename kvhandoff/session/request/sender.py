@@ -108,6 +108,7 @@ class Sender(RequestSide):
         self._peers: dict[str, DecodePeer] = {}
         self._settled = Latch()
         self._landed: float | None = None  # the latest acknowledgement of our writes
+        self._moved: float | None = None  # ... and the latest end of their bytes moving
         self._plans: list[Plan] = []  # every chunk's, for component_bytes
         inits, failed = agent.attach(self)
         with self._lock:
@@ -248,7 +249,7 @@ class Sender(RequestSide):
     # --- the core's effects (under the lock) ---------------------------------------------
 
     def _stamp(self, event: str) -> float | None:
-        return self._landed if event == tl.WRITTEN else None
+        return {tl.WRITTEN: self._landed, tl.MOVED: self._moved}.get(event)
 
     def _carry_out(self, effect: object) -> list[object]:
         match effect:
@@ -327,15 +328,22 @@ class Sender(RequestSide):
         the completion thread. The timeline's WRITE is when the transport began moving the
         bytes of the first write (the submit, or for a batched one when the request
         handed it over, for a transport that does not say), its WRITTEN when the
-        transport acknowledged the last (:meth:`_stamp`): noticing it later is ``settle``."""
+        transport acknowledged the last (:meth:`_stamp`): noticing it later is ``settle``.
+        MOVING and MOVED: the same, timed where the bytes moved, when the transport says
+        (``Handle.moving`` / ``moved``)."""
         if not self._lock.acquire(blocking):
             return False
         try:
             if err is None:
-                started = handle.started
-                self.timeline.mark_earliest(tl.WRITE, submitted if started is None else started)
+                began = submitted if handle.started is None else handle.started
+                self.timeline.mark_earliest(tl.WRITE, began)
+                self.timeline.mark_earliest(tl.MOVING,
+                                            began if handle.moving is None else handle.moving)
                 if handle.finished is not None:
                     self._landed = max(self._landed or handle.finished, handle.finished)
+                moved = handle.finished if handle.moved is None else handle.moved
+                if moved is not None:
+                    self._moved = max(self._moved or moved, moved)
             self._do(self._core.written(endpoint, status, in_band, err, timed_out, shared))
         finally:
             self._lock.release()

@@ -15,6 +15,9 @@ order::
            same order (:mod:`~kvhandoff.transport.framing.wire`). Record ``r`` and
            ``n + r`` have the same length, count and number of units: both sides of one
            byte stream. No payload: the receiver pulls the bytes itself.
+    REPLY  to a WRITE pulled whole (OK): ``"<from> <to>"``, the receiver's monotonic
+           seconds from having the frame to its last byte pulled (:func:`encode_moved`);
+           to anything else, empty or the reason it failed.
 
 Every decoder raises :class:`ProtocolError` naming what is wrong.
 """
@@ -129,3 +132,22 @@ def decode_write(table: bytes | bytearray | memoryview) -> tuple[Records, Record
         raise ProtocolError(f"cma WRITE record {r}: source and destination differ in "
                             f"length, count or number of units")
     return src, dst
+
+
+def encode_moved(start: float, end: float) -> str:
+    """An OK REPLY's body: when the receiver began and ended moving the bytes."""
+    return f"{start:.9f} {end:.9f}"
+
+
+def decode_moved(message: str, sent: float, now: float) -> tuple[float, float] | None:
+    """The receiver's ``(start, end)`` from an OK REPLY to a frame sent at ``sent`` and
+    answered at ``now`` (both this process's monotonic seconds), or None when the body
+    says nothing usable: empty, malformed, or not within ``sent`` … ``now`` (the two
+    processes' monotonic clocks differ, as across time namespaces). Never raises: the
+    figure is the sender's to lose, never the transfer."""
+    parts = message.split()
+    try:
+        start, end = (float(p) for p in parts) if len(parts) == 2 else (0.0, -1.0)
+    except ValueError:
+        return None
+    return (start, end) if sent <= start <= end <= now else None

@@ -38,7 +38,7 @@ import numpy as np
 
 from kvhandoff.plan.model import Plan
 from kvhandoff.transport.base import Handle, TransferState
-from kvhandoff.transport.cma.frames import encode_hello, encode_write
+from kvhandoff.transport.cma.frames import decode_moved, encode_hello, encode_write
 from kvhandoff.transport.cma.kernel import allow_readers
 from kvhandoff.transport.errors import (
     ConnectError,
@@ -48,7 +48,14 @@ from kvhandoff.transport.errors import (
     TransportError,
 )
 from kvhandoff.transport.framing.io import send_views, write_some
-from kvhandoff.transport.framing.served import JOIN_S, WorkerPeer, prove, recv_reply, shut
+from kvhandoff.transport.framing.served import (
+    JOIN_S,
+    Tracked,
+    WorkerPeer,
+    prove,
+    recv_reply,
+    shut,
+)
 from kvhandoff.transport.framing.wire import (
     FLAG_NOTICE,
     HEADER,
@@ -202,6 +209,15 @@ class CmaPeer(WorkerPeer):
         except (OSError, EOFError):
             if not self._closing:
                 raise
+
+    def _replied(self, item: Tracked, h: Header, message: str) -> None:
+        """As every served peer, after taking from an OK reply when the receiver moved
+        the bytes (``Handle.moving`` / ``moved``)."""
+        if h.code == Status.OK and isinstance(item, _Job) and item.sent_at is not None:
+            span = decode_moved(message, item.sent_at, time.monotonic())
+            if span is not None:
+                item.handle.moving, item.handle.moved = span
+        super()._replied(item, h, message)
 
     def close(self) -> None:
         """Let the receiver stop first: end our stream, wait (bounded) for it to hang

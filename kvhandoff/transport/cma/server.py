@@ -46,7 +46,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvhandoff.transport.cma import iov
-from kvhandoff.transport.cma.frames import MAX_HELLO, Hello, decode_hello, decode_write
+from kvhandoff.transport.cma.frames import (
+    MAX_HELLO,
+    Hello,
+    decode_hello,
+    decode_write,
+    encode_moved,
+)
 from kvhandoff.transport.cma.kernel import ReadV, explain, iovecs, process_vm_readv
 from kvhandoff.transport.errors import ProtocolError
 from kvhandoff.transport.framing.io import recv_exact, recv_header
@@ -97,6 +103,7 @@ class _Pull:
     src: Records
     dst: Records
     notice: bytes | None
+    read_at: float  # monotonic: when this side had the frame
     deadline: float  # monotonic: past it the sender may have given up
     sides: tuple[iov.Side, iov.Side] | None  # its one window, when built as checked
     weight: int  # its descriptor's bytes, counted against QUEUE_BYTES while queued
@@ -268,6 +275,7 @@ class _Connection:
             if got is None:
                 continue
             h, desc = got
+            read_at = time.monotonic()
             try:
                 if h.kind is Kind.HELLO:
                     hello = decode_hello(desc)
@@ -276,7 +284,7 @@ class _Connection:
                     self.sources = hello.regions
                     job: _Reply | _Pull = _Reply(h.seq, Status.OK)
                 else:
-                    job = self._check(h, desc)
+                    job = self._check(h, desc, read_at)
             except ProtocolError as e:
                 self._dispatch(_Reply(h.seq, Status.MALFORMED, str(e)))
                 raise
@@ -309,8 +317,9 @@ class _Connection:
             self._held -= job.weight
             self._cond.notify_all()
 
-    def _check(self, h: Header, desc: bytearray) -> _Reply | _Pull:
-        """A WRITE, checked on both sides: a pull, or the refusal (nothing copied)."""
+    def _check(self, h: Header, desc: bytearray, read_at: float) -> _Reply | _Pull:
+        """A WRITE (read at ``read_at``), checked on both sides: a pull, or the refusal
+        (nothing copied)."""
         notice: bytes | None = None
         table: bytearray | memoryview = desc
         if h.code & FLAG_NOTICE:
@@ -319,7 +328,7 @@ class _Connection:
         problem = dst.problem(self.server.table()) or src.problem(self.sources, SRC)
         if problem is not None:
             return _Reply(h.seq, Status.OUT_OF_BOUNDS, problem)
-        return _Pull(h.seq, src, dst, notice, time.monotonic() + self.server.io_timeout / 2,
+        return _Pull(h.seq, src, dst, notice, read_at, read_at + self.server.io_timeout / 2,
                      iov.prebuilt(src, dst), len(desc))
 
     # --- the copier -----------------------------------------------------------------------
@@ -350,6 +359,8 @@ class _Connection:
         if self.gone.is_set():
             return  # the sender left: nobody waits for it; copy nothing
         status, message = self._pull(job)
+        if status is Status.OK:  # how long the bytes took here, for the sender's figures
+            message = encode_moved(job.read_at, time.monotonic())
         try:
             if status is Status.OK or not self.gone.is_set():  # a closing sender fails
                 self._reply(job.seq, status, message)  # its own transfers
