@@ -138,6 +138,12 @@ def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def _versus(mine: float | None, nixl: float | None) -> dict[str, float | None]:
+    """Two medians of one figure and kvhandoff's ratio to NIXL (None unless both)."""
+    return {"kvhandoff": mine, "nixl": nixl,
+            "ratio": mine / nixl if mine is not None and nixl else None}
+
+
 def compare(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Per prompt length, the kvhandoff / NIXL ratios of the medians and kvhandoff's
     transfer / one memcpy of the same bytes; the goals; and the verdict (the worst
@@ -147,13 +153,9 @@ def compare(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     for a, b in zip(k["rows"], n["rows"], strict=True):
         row: dict[str, Any] = {"prompt_tokens": a["prompt_tokens"]}
         for key in ("ttft_ms", "transfer_ms"):
-            ma, mb = _median(a[key]), _median(b[key])
-            row[key] = {"kvhandoff": ma, "nixl": mb,
-                        "ratio": ma / mb if ma is not None and mb else None}
-        mv = _median(a.get("move_ms", []))  # NIXL's READ is its own move
-        nx = row["transfer_ms"]["nixl"]
-        row["move_ms"] = {"kvhandoff": mv, "nixl": nx,
-                          "ratio": mv / nx if mv is not None and nx else None}
+            row[key] = _versus(_median(a[key]), _median(b[key]))
+        # NIXL's READ is its own move
+        row["move_ms"] = _versus(_median(a.get("move_ms", [])), row["transfer_ms"]["nixl"])
         row["kvhandoff_load_ms"] = _median(a["load_ms"])
         row["kvhandoff_prepare_ms"] = _median(a.get("prepare_ms", []))
         mine, copy = row["transfer_ms"]["kvhandoff"], a.get("memcpy_ms")
