@@ -32,9 +32,9 @@ from kvhandoff.transport.cma.frames import encode_hello
 from kvhandoff.transport.cma.kernel import IOV, process_vm_readv
 from kvhandoff.transport.cma.transport import CmaEndpoint
 from kvhandoff.transport.framing.handshake import derive_key
-from kvhandoff.transport.framing.io import recv_exact
+from kvhandoff.transport.framing.io import FrameReader, recv_exact
 from kvhandoff.transport.framing.served import prove, recv_reply
-from kvhandoff.transport.framing.wire import HEADER, Header, Kind, Records, Status
+from kvhandoff.transport.framing.wire import Header, Kind, Records, Status
 
 pytestmark = pytest.mark.skipif(not available_transports()["cma"].ok,
                                 reason=f"cma: {available_transports()['cma'].reason}")
@@ -123,6 +123,7 @@ class RawSender:
         self.sock.connect("\0" + ep.address)
         prove(self.sock, key=derive_key(ep.token.encode(), None), endpoint_id=ep.id,
               timeout=10, peer="receiver")
+        self.reader = FrameReader(self.sock)
         self.probe = np.frombuffer(os.urandom(16), np.uint8).copy()
         self.regions = regions
         self.seq = 0
@@ -130,7 +131,7 @@ class RawSender:
     def frame(self, kind: Kind, desc: bytes) -> tuple[Status, str]:
         self.seq += 1
         self.sock.sendall(Header(kind, 0, self.seq, len(desc), 0).pack() + desc)
-        got = recv_reply(self.sock, bytearray(HEADER.size), "receiver", lambda: None, 10)
+        got = recv_reply(self.reader, "receiver", lambda: None, 10)
         assert got is not None, "no reply"
         return Status(got[0].code), got[1]
 
@@ -305,6 +306,13 @@ class Syscalls:
         return process_vm_readv(pid, local, remote)
 
 
+def _through(monkeypatch: pytest.MonkeyPatch, calls: Syscalls) -> None:
+    """Every pull of receivers made from now on goes through ``calls``: the copy that
+    keeps the GIL (small windows) and the one that releases it (large ones)."""
+    monkeypatch.setattr(cma_server, "process_vm_readv", calls)
+    monkeypatch.setattr(cma_server, "process_vm_readv_held", calls)
+
+
 def _first(rows: IOV, n: int) -> IOV:
     """The iovecs of the first ``n`` bytes of ``rows``."""
     ends = np.cumsum(rows[:, 1].astype(np.int64))
@@ -323,7 +331,7 @@ def test_iovec_batches_and_partial_copies_through_the_kernel(
     still lands. 1500 pages: built as one window when checked, pulled by the copier in
     two calls; 5000: the copier's windows."""
     calls = Syscalls(limit)
-    monkeypatch.setattr(cma_server, "process_vm_readv", calls)
+    _through(monkeypatch, calls)
     b = cma.builder(6)
     page = 1024
     p = Plan(entries=(b.pair(src_unit=page, dst_unit=page, cap=6000, n=pages,
@@ -334,6 +342,27 @@ def test_iovec_batches_and_partial_copies_through_the_kernel(
     assert np.array_equal(b.dsts[0][1], want[0])
     assert max(calls.widths) <= 1024
     assert len(calls.widths) >= (pages * page // limit if limit else -(-pages // 1024))
+
+
+@pytest.mark.parametrize("pages", [64, 3000])
+def test_small_windows_keep_the_gil_and_large_ones_release_it(
+        cma: Pair, monkeypatch: pytest.MonkeyPatch, pages: int) -> None:
+    """A window of at most ``HELD_MAX`` is pulled by the call that keeps the GIL (no
+    wait to get it back from a busy engine); a larger one by the releasing call."""
+    held, released = Syscalls(None), Syscalls(None)
+    monkeypatch.setattr(cma_server, "process_vm_readv_held", held)
+    monkeypatch.setattr(cma_server, "process_vm_readv", released)
+    b = cma.builder(8)
+    page = 1024
+    p = Plan(entries=(b.pair(src_unit=page, dst_unit=page, cap=6000, n=pages,
+                             pieces=[[0, 0, page, 1, page, page]]),))
+    want = b.expected(p)
+    h = cma.sender.submit(cma.connect(), p)
+    assert cma.sender.wait(h, TIMEOUT) is TransferState.DONE, h.error
+    assert np.array_equal(b.dsts[0][1], want[0])
+    small = pages * page <= cma_server.HELD_MAX
+    assert (len(held.widths) > 0) == small and (sum(released.widths) > 1) == (not small), (
+        held.widths, released.widths)
 
 
 def test_registrations_after_connect_are_seen_on_both_sides(cma: Pair) -> None:
@@ -356,7 +385,7 @@ def test_no_copy_starts_after_close_returns(cma: Pair, monkeypatch: pytest.Monke
     the copy stops is a race; that none starts after ``close`` is not.)"""
     calls = Syscalls()
     calls.hold = 2
-    monkeypatch.setattr(cma_server, "process_vm_readv", calls)
+    _through(monkeypatch, calls)
     b = cma.builder(8)
     p = Plan(entries=(b.pair(src_unit=256 << 10, dst_unit=256 << 10, cap=256, n=256,
                              pieces=[[0, 0, 256 << 10, 1, 256 << 10, 256 << 10]]),))
@@ -383,7 +412,7 @@ def test_a_sender_that_outruns_the_copier_is_held_back_by_the_socket(
     frame is served, in order."""
     calls = Syscalls()
     calls.hold = 2  # the first pull (the first call reads the connect's probe)
-    monkeypatch.setattr(cma_server, "process_vm_readv", calls)
+    _through(monkeypatch, calls)
     monkeypatch.setattr(cma_server, "QUEUE_BYTES", 1)
     conns: list[cma_server._Connection] = []
     init = cma_server._Connection.__init__
@@ -416,8 +445,7 @@ def test_a_sender_that_outruns_the_copier_is_held_back_by_the_socket(
             calls.hold = None
             calls.release.set()
             for seq in range(2, frames + 2):
-                got = recv_reply(raw.sock, bytearray(HEADER.size), "receiver", lambda: None,
-                                 TIMEOUT)
+                got = recv_reply(raw.reader, "receiver", lambda: None, TIMEOUT)
                 assert got is not None and got[0].seq == seq and got[0].code == Status.OK, got
             sender.join(TIMEOUT)
             assert np.array_equal(dst, src)

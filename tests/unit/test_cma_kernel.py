@@ -3,9 +3,11 @@ availability probe, which never raises."""
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 
+import numpy as np
 import pytest
 
 from kvhandoff.transport.cma import kernel
@@ -108,3 +110,18 @@ def test_other_scopes_leave_the_process_alone(monkeypatch: pytest.MonkeyPatch) -
         monkeypatch.setattr(kernel, "ptrace_scope", lambda s=scope: s)
         monkeypatch.setattr(kernel, "_libc", lambda: pytest.fail("prctl called"))
         kernel.allow_readers()
+
+
+@pytest.mark.parametrize("held", [False, True])
+def test_both_calls_copy_the_same_bytes(held: bool) -> None:
+    """The GIL-keeping call (a ``PyDLL`` function: ctypes keeps the GIL for those) and
+    the releasing one copy alike, partial iovecs included."""
+    src = np.frombuffer(os.urandom(4096), np.uint8)
+    dst = np.zeros(4096, np.uint8)
+    local = kernel.iovecs([(dst.ctypes.data, 1000), (dst.ctypes.data + 1000, 3096)])
+    remote = kernel.iovecs([(src.ctypes.data, 4096)])
+    assert kernel.process_vm_readv(os.getpid(), local, remote, held=held) == 4096
+    assert (dst == src).all()
+    fn = kernel._readv_fn(held)
+    assert fn is not None
+    assert bool(fn._flags_ & ctypes._FUNCFLAG_PYTHONAPI) == held  # type: ignore[attr-defined]

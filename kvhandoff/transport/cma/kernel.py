@@ -16,9 +16,13 @@ when this process may ptrace-attach to the other one (``PTRACE_MODE_ATTACH_REALC
 * a seccomp filter may forbid the syscall altogether (container runtimes do, unless the
   container has ``CAP_SYS_PTRACE``).
 
-The calls release the GIL (ctypes does for ``CDLL`` functions), so copier threads run in
-parallel. Each call takes at most :data:`IOV_MAX` iovecs per side and may copy less
-than asked (a partial copy); :mod:`kvhandoff.transport.cma.iov` handles both.
+:func:`process_vm_readv` releases the GIL (ctypes does for ``CDLL`` functions), so copier
+threads run in parallel; :func:`process_vm_readv_held` keeps it (``PyDLL``): for a copy
+shorter than a GIL hand-over inside a busy engine (getting the GIL back after a
+syscall waits up to the switch interval while the engine's thread runs), holding it
+is the faster way, and the engine's thread waits for the copy alone. Each call takes
+at most :data:`IOV_MAX` iovecs per side and may copy less than asked (a partial copy);
+:mod:`kvhandoff.transport.cma.iov` handles both.
 """
 
 from __future__ import annotations
@@ -57,18 +61,18 @@ _YAMA = "/proc/sys/kernel/yama/ptrace_scope"
 
 
 @cache
-def _libc() -> ctypes.CDLL | None:
+def _libc(held: bool = False) -> ctypes.CDLL | None:
     if not sys.platform.startswith("linux"):
         return None
     try:
-        return ctypes.CDLL(None, use_errno=True)
+        return (ctypes.PyDLL if held else ctypes.CDLL)(None, use_errno=True)
     except OSError:
         return None
 
 
 @cache
-def _readv_fn() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    libc = _libc()
+def _readv_fn(held: bool = False) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    libc = _libc(held)
     fn = getattr(libc, "process_vm_readv", None) if libc is not None else None
     if fn is None:
         return None
@@ -78,12 +82,13 @@ def _readv_fn() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     return fn
 
 
-def process_vm_readv(pid: int, local: IOV, remote: IOV) -> int:
+def process_vm_readv(pid: int, local: IOV, remote: IOV, *, held: bool = False) -> int:
     """Copy from ``remote`` (iovecs in process ``pid``) into ``local`` (iovecs here);
     returns the bytes copied (possibly fewer than asked: a partial copy). ``OSError``
     with the kernel's errno when it copied nothing and refused. At most
-    :data:`IOV_MAX` rows per array (``EINVAL`` beyond)."""
-    fn = _readv_fn()
+    :data:`IOV_MAX` rows per array (``EINVAL`` beyond). ``held``: keep the GIL
+    through the call (see the module's docstring)."""
+    fn = _readv_fn(held)
     if fn is None:
         raise OSError(errno.ENOSYS, "process_vm_readv is not available in this C library")
     n = int(fn(pid, local.ctypes.data, len(local), remote.ctypes.data, len(remote), 0))
@@ -91,6 +96,11 @@ def process_vm_readv(pid: int, local: IOV, remote: IOV) -> int:
         e = ctypes.get_errno()
         raise OSError(e, os.strerror(e))
     return n
+
+
+def process_vm_readv_held(pid: int, local: IOV, remote: IOV) -> int:
+    """:func:`process_vm_readv` keeping the GIL through the call."""
+    return process_vm_readv(pid, local, remote, held=True)
 
 
 def iovecs(rows: list[tuple[int, int]]) -> IOV:

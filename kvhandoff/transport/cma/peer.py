@@ -47,7 +47,7 @@ from kvhandoff.transport.errors import (
     TransferFailed,
     TransportError,
 )
-from kvhandoff.transport.framing.io import send_views, write_some
+from kvhandoff.transport.framing.io import FrameReader, send_views, write_some
 from kvhandoff.transport.framing.served import (
     JOIN_S,
     Tracked,
@@ -58,7 +58,6 @@ from kvhandoff.transport.framing.served import (
 )
 from kvhandoff.transport.framing.wire import (
     FLAG_NOTICE,
-    HEADER,
     Header,
     Kind,
     Status,
@@ -110,9 +109,12 @@ class CmaPeer(WorkerPeer):
             hello = encode_hello(int(self._probe.ctypes.data), self._probe.tobytes(),
                                  self._sent.describe())
             sock.sendall(Header(Kind.HELLO, 0, 0, len(hello), 0).pack() + hello)
-            got = recv_reply(sock, bytearray(HEADER.size), self.name, lambda: None, timeout)
+            reader = FrameReader(sock)
+            got = recv_reply(reader, self.name, lambda: None, timeout)
             if got is None:
                 raise TimeoutError(f"no answer to the opening HELLO within {timeout} s")
+            if reader.buffered:  # the reader thread starts afresh: nothing may be left
+                raise ProtocolError(f"{reader.buffered} B after the reply to the opening HELLO")
             h, message = got
             if h.code != Status.OK:
                 raise ConnectError(f"{self.name} refused this sender: {message}")

@@ -16,11 +16,13 @@ so the sender cannot point the receiver at another process. Then (:mod:`.frames`
                      :mod:`.iov`) → REPLY OK → deliver the notice, if any (after the
                      reply, so the handler's work is off the sender's latency path)
 
-Each connection has two threads: the serving thread reads and checks frames; a write
-one syscall pulls it pulls and answers itself when nothing is queued (no thread
-hand-off on a handoff's latency path), anything else it queues for its copier, which
-pulls and replies in frame order. Nothing is ever written into the sender, and nothing
-is written here that this side did not check itself.
+Each connection has two threads: the serving thread reads and checks frames (a frame in
+one syscall when it came whole, :class:`~kvhandoff.transport.framing.io.FrameReader`); a
+write that one syscall pulls it pulls itself and answers when nothing is queued (no
+thread hand-off on a handoff's latency path), anything else it queues for its copier,
+which pulls and replies in frame order. Windows up to :data:`HELD_MAX` are pulled keeping
+the GIL (:func:`~.kernel.process_vm_readv_held`). Nothing is ever written into the
+sender, and nothing is written here that this side did not check itself.
 
 Stops (the session's "no stale writes"): the copier checks between batches (at most
 ``IOV_MAX`` iovecs and 4 MiB each) whether the sender closed the connection (the serving
@@ -53,9 +55,15 @@ from kvhandoff.transport.cma.frames import (
     decode_write,
     encode_moved,
 )
-from kvhandoff.transport.cma.kernel import ReadV, explain, iovecs, process_vm_readv
+from kvhandoff.transport.cma.kernel import (
+    ReadV,
+    explain,
+    iovecs,
+    process_vm_readv,
+    process_vm_readv_held,
+)
 from kvhandoff.transport.errors import ProtocolError
-from kvhandoff.transport.framing.io import recv_exact, recv_header
+from kvhandoff.transport.framing.io import FrameReader
 from kvhandoff.transport.framing.served import (
     JOIN_S,
     MAX_PER_HOST,
@@ -81,6 +89,9 @@ _refused = Throttle(log)
 
 PARALLEL_MIN = 4 << 20
 """Windows of at least this many bytes are shared among the copy threads."""
+HELD_MAX = 2 << 20
+"""Windows of at most this many bytes are pulled keeping the GIL (~0.2 ms at memory
+speed: less than getting the GIL back from a busy engine's thread after the syscall)."""
 QUEUE_BYTES = 64 << 20
 """Descriptor bytes a connection holds queued for its copier; past them the serving
 thread stops reading until the copier catches up (a sender cannot make the receiver
@@ -126,6 +137,7 @@ class CmaServer(ThreadedServer):
                  max_per_host: int = MAX_PER_HOST, readv: ReadV | None = None) -> None:
         self.table, self.deliver, self.io_timeout = table, deliver, io_timeout
         self.readv: ReadV = readv if readv is not None else process_vm_readv
+        self.readv_held: ReadV = readv if readv is not None else process_vm_readv_held
         self.threads = copy_threads
         self._pool = ThreadPoolExecutor(max(1, copy_threads - 1),
                                         thread_name_prefix="kvh-cma-helper")
@@ -145,9 +157,13 @@ class CmaServer(ThreadedServer):
 
     def pull(self, pid: int, local: iov.Side, remote: iov.Side,
              stop: Callable[[], str | None]) -> None:
-        """Pull one window, shared among the copy threads when it is large (a part that
-        fails stops the others at their next batch)."""
+        """Pull one window: keeping the GIL when it is small, shared among the copy
+        threads when it is large (a part that fails stops the others at their next
+        batch)."""
         n = local.nbytes
+        if n <= HELD_MAX:
+            iov.pull(self.readv_held, pid, local, remote, 0, n, stop=stop)
+            return
         parts = self.threads if n >= PARALLEL_MIN else 1
         cuts = [n * k // parts for k in range(parts + 1)]
         failed = threading.Event()
@@ -190,7 +206,7 @@ class _Connection:
         self._held = 0  # ... and their descriptor bytes
         self._cond = threading.Condition(threading.Lock())
         self.held_back = threading.Event()  # set while the serving thread waits for room
-        self.hdr = bytearray(HEADER.size)
+        self.reader = FrameReader(sock)  # a frame in one syscall when it came whole
 
     def run(self) -> None:
         if not self._open():
@@ -209,10 +225,11 @@ class _Connection:
     def _frame(self) -> tuple[Header, bytearray] | None:
         """The next frame (None: idle for an I/O timeout). ProtocolError, after
         queueing a MALFORMED reply, for anything but a payload-free HELLO or WRITE."""
-        if not recv_header(self.sock, memoryview(self.hdr), idle_ok=True):
+        view = self.reader.header(HEADER.size, idle_ok=True)
+        if view is None:
             return None
         try:
-            h = Header.unpack(self.hdr)
+            h = Header.unpack(view)
             if h.kind not in (Kind.HELLO, Kind.WRITE) or h.payload_len:
                 raise ProtocolError(f"unexpected {h.kind.name} frame (payload "
                                     f"{h.payload_len} B)")
@@ -221,9 +238,7 @@ class _Connection:
         except ProtocolError as e:
             self._dispatch(_Reply(0, Status.MALFORMED, str(e)))
             raise
-        desc = bytearray(h.desc_len)
-        recv_exact(self.sock, memoryview(desc))
-        return h, desc
+        return h, self.reader.exact(h.desc_len)
 
     def _open(self) -> bool:
         """The first frame: a HELLO whose probe this side can read. Replies directly

@@ -51,7 +51,7 @@ from kvhandoff.transport.framing.handshake import (
     new_endpoint_id,
     refusal,
 )
-from kvhandoff.transport.framing.io import recv_exact, recv_header
+from kvhandoff.transport.framing.io import FrameReader
 from kvhandoff.transport.framing.wire import HEADER, Header, Kind, Status, reply_error
 from kvhandoff.transport.throttle import Throttle
 
@@ -442,13 +442,13 @@ class WorkerPeer(Peer):
         which is popped and handed to ``on_reply(request, header, message)``.
         ``ProtocolError`` for a reply to any other frame; ``PeerLost`` when the oldest
         request waits more than ``io_timeout`` (see :func:`recv_reply`)."""
-        buf = bytearray(HEADER.size)
+        reader = FrameReader(sock)
 
         def oldest() -> float | None:
             return inflight[0].sent_at if inflight else None
 
         while self._error is None:
-            got = recv_reply(sock, buf, self.name, oldest, io_timeout)
+            got = recv_reply(reader, self.name, oldest, io_timeout)
             if got is None:
                 continue
             h, message = got
@@ -515,24 +515,23 @@ class WorkerPeer(Peer):
 MAX_REPLY = 1 << 16
 
 
-def recv_reply(sock: socket.socket, buf: bytearray, name: str,
-               oldest_sent: Callable[[], float | None], io_timeout: float
-               ) -> tuple[Header, str] | None:
-    """Read one REPLY frame: ``(header, message)``. None if the socket stayed idle for
-    its timeout, unless the oldest request awaiting a reply (sent at
-    ``oldest_sent()``, monotonic) is overdue by ``io_timeout``: then ``PeerLost``.
-    ``ProtocolError`` for anything but a REPLY without payload and a short message."""
-    if not recv_header(sock, memoryview(buf), idle_ok=True):
+def recv_reply(reader: FrameReader, name: str, oldest_sent: Callable[[], float | None],
+               io_timeout: float) -> tuple[Header, str] | None:
+    """Read one REPLY frame (through ``reader``: one syscall when it has arrived whole):
+    ``(header, message)``. None if the socket stayed idle for its timeout, unless the
+    oldest request awaiting a reply (sent at ``oldest_sent()``, monotonic) is overdue by
+    ``io_timeout``: then ``PeerLost``. ``ProtocolError`` for anything but a REPLY
+    without payload and a short message."""
+    view = reader.header(HEADER.size, idle_ok=True)
+    if view is None:
         sent = oldest_sent()
         if sent is not None and time.monotonic() - sent > io_timeout:
             raise PeerLost(f"{name} sent no reply within {io_timeout}s")
         return None
-    h = Header.unpack(buf)
+    h = Header.unpack(view)
     if h.kind is not Kind.REPLY or h.desc_len > MAX_REPLY or h.payload_len:
         raise ProtocolError(f"{name} sent an unexpected {h.kind.name} frame")
-    body = bytearray(h.desc_len)
-    recv_exact(sock, memoryview(body))
-    return h, body.decode(errors="replace")
+    return h, reader.exact(h.desc_len).decode(errors="replace")
 
 
 def shut(sock: socket.socket) -> None:
