@@ -322,6 +322,20 @@ def _first(rows: IOV, n: int) -> IOV:
     return out
 
 
+PAGE = 1024
+
+
+def _hand_off_pages(cma: Pair, seed: int, pages: int) -> None:
+    """Hand off ``pages`` scattered 1 KiB pages; they land byte-exact."""
+    b = cma.builder(seed)
+    p = Plan(entries=(b.pair(src_unit=PAGE, dst_unit=PAGE, cap=6000, n=pages,
+                             pieces=[[0, 0, PAGE, 1, PAGE, PAGE]]),))
+    want = b.expected(p)
+    h = cma.sender.submit(cma.connect(), p)
+    assert cma.sender.wait(h, TIMEOUT) is TransferState.DONE, h.error
+    assert np.array_equal(b.dsts[0][1], want[0])
+
+
 @pytest.mark.parametrize("limit", [None, 10000])
 @pytest.mark.parametrize("pages", [1500, 5000])
 def test_iovec_batches_and_partial_copies_through_the_kernel(
@@ -332,16 +346,9 @@ def test_iovec_batches_and_partial_copies_through_the_kernel(
     two calls; 5000: the copier's windows."""
     calls = Syscalls(limit)
     _through(monkeypatch, calls)
-    b = cma.builder(6)
-    page = 1024
-    p = Plan(entries=(b.pair(src_unit=page, dst_unit=page, cap=6000, n=pages,
-                             pieces=[[0, 0, page, 1, page, page]]),))
-    want = b.expected(p)
-    h = cma.sender.submit(cma.connect(), p)
-    assert cma.sender.wait(h, TIMEOUT) is TransferState.DONE, h.error
-    assert np.array_equal(b.dsts[0][1], want[0])
+    _hand_off_pages(cma, 6, pages)
     assert max(calls.widths) <= 1024
-    assert len(calls.widths) >= (pages * page // limit if limit else -(-pages // 1024))
+    assert len(calls.widths) >= (pages * PAGE // limit if limit else -(-pages // 1024))
 
 
 @pytest.mark.parametrize("pages", [64, 3000])
@@ -352,15 +359,8 @@ def test_small_windows_keep_the_gil_and_large_ones_release_it(
     held, released = Syscalls(None), Syscalls(None)
     monkeypatch.setattr(cma_server, "process_vm_readv_held", held)
     monkeypatch.setattr(cma_server, "process_vm_readv", released)
-    b = cma.builder(8)
-    page = 1024
-    p = Plan(entries=(b.pair(src_unit=page, dst_unit=page, cap=6000, n=pages,
-                             pieces=[[0, 0, page, 1, page, page]]),))
-    want = b.expected(p)
-    h = cma.sender.submit(cma.connect(), p)
-    assert cma.sender.wait(h, TIMEOUT) is TransferState.DONE, h.error
-    assert np.array_equal(b.dsts[0][1], want[0])
-    small = pages * page <= cma_server.HELD_MAX
+    _hand_off_pages(cma, 8, pages)
+    small = pages * PAGE <= cma_server.HELD_MAX
     assert (len(held.widths) > 0) == small and (sum(released.widths) > 1) == (not small), (
         held.widths, released.widths)
 

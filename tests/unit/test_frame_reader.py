@@ -18,14 +18,13 @@ HEAD = struct.Struct("<I")  # a stand-in header: the body's length
 
 class Chunks:
     """A socket stand-in that hands out ``data`` in the given chunk sizes (then EOF,
-    or a timeout when ``idle_at_end``), counting its ``recv_into`` calls."""
+    or a timeout when ``idle_at_end``)."""
 
     def __init__(self, data: bytes, cuts: list[int], idle_at_end: bool = False) -> None:
-        self.data, self.cuts, self.pos, self.calls = data, list(cuts), 0, 0
+        self.data, self.cuts, self.pos = data, list(cuts), 0
         self.idle_at_end = idle_at_end
 
     def recv_into(self, view: memoryview) -> int:
-        self.calls += 1
         if self.pos >= len(self.data):
             if self.idle_at_end:
                 raise TimeoutError("timed out")

@@ -68,33 +68,29 @@ class FrameReader:
     def header(self, size: int, idle_ok: bool) -> memoryview | None:
         """The next ``size`` bytes (a header; valid until the next call). None if the
         socket timed out before any byte of it and ``idle_ok``; raises otherwise."""
-        if self.buffered < size:
-            self._fill(size, idle_ok)
-            if self.buffered < size:
-                return None
-        view = memoryview(self._buf)[self._start:self._start + size]
-        self._start += size
-        return view
+        self._fill(size, idle_ok)
+        return self._take(size) if self.buffered >= size else None
 
     def exact(self, n: int) -> bytearray:
         """The next ``n`` bytes, in a buffer of their own."""
+        if n <= len(self._buf):
+            self._fill(n, idle_ok=False)
+            return bytearray(self._take(n))
         out = bytearray(n)
-        have = min(n, self.buffered)
-        out[:have] = self._buf[self._start:self._start + have]
-        self._start += have
-        if have < n:
-            if n - have <= len(self._buf):
-                self._fill(n - have, idle_ok=False)
-                out[have:] = self._buf[self._start:self._start + n - have]
-                self._start += n - have
-            else:
-                recv_exact(self.sock, memoryview(out)[have:])
+        have = self.buffered
+        out[:have] = self._take(have)
+        recv_exact(self.sock, memoryview(out)[have:])
         return out
 
+    def _take(self, n: int) -> memoryview:
+        view = memoryview(self._buf)[self._start:self._start + n]
+        self._start += n
+        return view
+
     def _fill(self, size: int, idle_ok: bool) -> None:
-        """Read until ``size`` bytes are buffered (at most the capacity), as many as the
-        socket has per call. Returns short only for an idle timeout with nothing
-        buffered and ``idle_ok``."""
+        """Read until ``size`` bytes (at most the capacity) are buffered, as many as the
+        socket has per call; nothing when they are. Returns short only for an idle
+        timeout with nothing buffered and ``idle_ok``."""
         if self._start == self._end:
             self._start = self._end = 0
         elif len(self._buf) - self._start < size:  # move the rest to the front
